@@ -1,0 +1,282 @@
+"""The project's section of a DeepSpeed JSON config, validated strictly, and the
+parallel layout (pipeline x data parallel, batch arithmetic) it implies.
+
+One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
+
+    "seekspeed": {
+      "recipe":     {"name": "deepseek_v3", "preset": "tiny", "overrides": {...}},
+      "schedule":   "1f1b" | "dualpipev",
+      "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
+      "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
+      "checkpoint": {"dir": "runs/tiny", "interval_steps": 100}
+    }
+
+Pipeline degree, partitioning and activation checkpointing use DeepSpeed's own
+``"pipeline"`` section (``stages``, ``partition``, ``activation_checkpoint_interval``);
+batch sizes use DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu``
+/ ``gradient_accumulation_steps``, resolved by DeepSpeed's own config code.
+"""
+
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .pipe import SCHEDULES, check_micro_batches, check_schedule
+from .schema import from_dict
+
+SECTION = "seekspeed"
+
+
+@dataclass(kw_only=True)
+class RecipeSection:
+    name: str = "deepseek_v3"
+    preset: str = "tiny"
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    # "stdlib": demo corpus from this Python's standard library sources (offline);
+    # otherwise a local file, directory of files, or a datasets.save_to_disk directory.
+    source: str = "stdlib"
+    format: str = "auto"
+    text_field: str = "text"
+    # "byte": bytes 0-255 plus an end-of-document token 256; or a local tokenizer path
+    tokenizer: str = "byte"
+    seq_len: int = 128
+    num_proc: int = 1
+    max_documents: int | None = None
+
+    def check(self, where):
+        formats = ("auto", "text", "json", "parquet", "saved")
+        if self.format not in formats:
+            raise ConfigError(f"{where}.format {self.format!r} is not one of {list(formats)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
+        if self.num_proc < 1:
+            raise ConfigError(f"{where}.num_proc must be >= 1, got {self.num_proc}")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise ConfigError(f"{where}.max_documents must be >= 1 or null, got {self.max_documents}")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    steps: int
+    seed: int = 1234
+    log_interval: int = 10
+
+    def check(self, where):
+        if self.steps < 1:
+            raise ConfigError(f"{where}.steps must be >= 1, got {self.steps}")
+        if self.log_interval < 1:
+            raise ConfigError(f"{where}.log_interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    dir: str | None = None
+    interval_steps: int = 0   # 0: save only at the end
+    save_final: bool = True
+
+    def check(self, where):
+        if self.interval_steps < 0:
+            raise ConfigError(f"{where}.interval_steps must be >= 0 (0 = only at the end), got {self.interval_steps}")
+
+
+@dataclass(kw_only=True)
+class SeekspeedSection:
+    recipe: RecipeSection = field(default_factory=RecipeSection)
+    schedule: str = "1f1b"
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    def check(self, where):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"{where}.schedule: unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+
+
+@dataclass(kw_only=True)
+class Layout:
+    """How ``world_size`` ranks split into pipeline stages and data-parallel replicas,
+    and the batch arithmetic DeepSpeed will use."""
+    world_size: int
+    pipe_stages: int
+    data_parallel: int
+    micro_batch: int
+    grad_accum: int
+    train_batch: int
+    seq_len: int
+    schedule: str
+
+    @property
+    def tokens_per_step(self):
+        return self.train_batch * self.seq_len
+
+    def describe(self):
+        return (f"{self.world_size} ranks = {self.pipe_stages} pipeline stages x {self.data_parallel} data-parallel; "
+                f"global batch {self.train_batch} = micro-batch {self.micro_batch} x {self.grad_accum} accumulation "
+                f"x {self.data_parallel} replicas; {self.tokens_per_step:,} tokens/step; schedule {self.schedule}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    path: str
+    ds: dict          # the whole JSON, passed to deepspeed.initialize unchanged but for resolved batch keys
+    section: SeekspeedSection
+    layout: Layout
+    warnings: list
+
+
+def read_json(path):
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist: pass --deepspeed with a path such as "
+                          f"ds_configs/tiny_cpu.json")
+    with open(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
+
+
+def load_config(path, *, world_size, overrides=None):
+    """Read, validate and resolve a config for ``world_size`` ranks.
+
+    ``overrides`` maps dotted paths in the seekspeed section to values (for example
+    ``{"train.steps": 5}``) so command-line flags never repeat numbers from the JSON.
+    """
+    ds = read_json(path)
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: the top level must be an object")
+    if SECTION not in ds:
+        raise ConfigError(f"{path}: no {SECTION!r} section: add one (see ds_configs/tiny_cpu.json)")
+    raw = json.loads(json.dumps(ds[SECTION]))
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    section = from_dict(SeekspeedSection, raw, where=SECTION)
+    ds[SECTION] = raw
+    _fill_auto(ds, section)
+    layout, warnings = resolve_layout(ds, world_size=world_size, section=section, path=path)
+    return RunConfig(path=path, ds=ds, section=section, layout=layout, warnings=warnings)
+
+
+_AUTO_SCHEDULER_PARAMS = {"total_num_steps"}
+
+
+def _fill_auto(ds, section):
+    """``"auto"`` in the scheduler means "from seekspeed.train", so the step count
+    lives in one place."""
+    params = ds.get("scheduler", {}).get("params", {})
+    for key, value in params.items():
+        if value == "auto":
+            if key not in _AUTO_SCHEDULER_PARAMS:
+                raise ConfigError(f"scheduler.params.{key}: \"auto\" is only understood for "
+                                  f"{sorted(_AUTO_SCHEDULER_PARAMS)}; give a number")
+            params[key] = section.train.steps
+
+
+def pipeline_stages(ds, *, path="config"):
+    stages = ds.get("pipeline", {}).get("stages", 1)
+    if stages == "auto" or not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ConfigError(f"{path}: pipeline.stages must be a positive integer (the pipeline degree), "
+                          f"got {stages!r}")
+    return stages
+
+
+def _deepspeed_batch_config(param_dict, data_parallel):
+    """DeepSpeed's own config parser, resolving batch sizes for ``data_parallel``
+    replicas whether or not a process group exists yet."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class _Resolver(DeepSpeedConfig):
+
+        def _configure_train_batch_size(self):
+            self.world_size = data_parallel
+            super()._configure_train_batch_size()
+
+    return _Resolver(param_dict)
+
+
+class _RecordingDict(dict):
+    """Records which top-level keys DeepSpeed's config parser looks up."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = set()
+
+    def get(self, key, *default):
+        self.seen.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+
+def _deepspeed_constant_keys():
+    from deepspeed.runtime import constants
+    return {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+
+
+def resolve_layout(ds, *, world_size, section, path="config"):
+    """The parallel layout and the warnings about keys DeepSpeed will ignore.
+
+    Batch sizes are resolved by DeepSpeed's own ``DeepSpeedConfig`` for the
+    data-parallel size, so what is checked here is what the engine will do.
+    """
+    stages = pipeline_stages(ds, path=path)
+    if world_size % stages:
+        raise ConfigError(f"world size {world_size} is not divisible by pipeline.stages {stages}: "
+                          f"launch a multiple of {stages} ranks or change pipeline.stages")
+    dp = world_size // stages
+    zero = ds.get("zero_optimization", {}).get("stage", 0)
+    if zero not in (0, 1):
+        raise ConfigError(f"zero_optimization.stage {zero} cannot be used with DeepSpeed's pipeline engine: "
+                          f"use stage 0 or 1")
+    recorder = _RecordingDict({k: v for k, v in ds.items() if k != SECTION})
+    try:
+        resolved = _deepspeed_batch_config(recorder, dp)
+    except AssertionError as exc:
+        micro = ds.get("train_micro_batch_size_per_gpu")
+        gas = ds.get("gradient_accumulation_steps")
+        hint = (f"set train_batch_size to {micro * gas * dp} (= micro-batch {micro} x accumulation {gas} x "
+                f"{dp} data-parallel replicas)" if isinstance(micro, int) and isinstance(gas, int) else
+                "make train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                f"data-parallel size ({dp})")
+        raise ConfigError(f"batch sizes do not fit {world_size} ranks ({stages} stages x {dp} data-parallel): "
+                          f"{' '.join(str(exc).split())}; {hint}") from None
+    layout = Layout(world_size=world_size, pipe_stages=stages, data_parallel=dp,
+                    micro_batch=resolved.train_micro_batch_size_per_gpu,
+                    grad_accum=resolved.gradient_accumulation_steps, train_batch=resolved.train_batch_size,
+                    seq_len=section.data.seq_len, schedule=check_schedule(section.schedule))
+    if layout.train_batch != layout.micro_batch * layout.grad_accum * dp or layout.grad_accum < 1:
+        raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
+                          f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
+    check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
+
+    known = recorder.seen | _deepspeed_constant_keys() | {SECTION}
+    warnings = []
+    for key in ds:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            warnings.append(f"top-level key {key!r} is not a DeepSpeed key; DeepSpeed will ignore it{hint}")
+    return layout, warnings
+
+
+def print_warnings(warnings, *, rank):
+    if rank == 0:
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr, flush=True)

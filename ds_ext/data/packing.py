@@ -1,0 +1,71 @@
+"""Tokenise documents, pack them into fixed-length sequences, and iterate micro-batches."""
+
+import numpy as np
+import torch
+
+from ds_ext.errors import DataError
+
+from .sources import load_documents
+from .tokenizer import _check_ids
+
+
+def packed_sequences(data, tokenizer, *, vocab_size, shard, num_shards):
+    """This data-parallel shard's documents, tokenised with an end-of-document token
+    after each and cut into rows of ``seq_len + 1`` tokens (inputs plus the shifted
+    targets). Documents are sharded contiguously, before tokenisation, so each rank
+    only tokenises its own part."""
+    ds, field = load_documents(data)
+    ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t) for t in batch[field]], batched=True,
+                   keep_in_memory=True)
+    if len(ds) == 0:
+        raise DataError(f"the corpus {data.source} has no non-empty documents in column {field!r}: "
+                        f"add data or fix seekspeed.data.text_field")
+    if len(ds) < num_shards:
+        raise DataError(f"the corpus {data.source} has {len(ds)} documents, fewer than the {num_shards} "
+                        f"data-parallel replicas that each need a shard: add documents or use fewer replicas")
+    ds = ds.shard(num_shards=num_shards, index=shard, contiguous=True)
+    tokens = ds.map(lambda batch: {"input_ids": tokenizer.encode_documents(batch[field])}, batched=True,
+                    num_proc=data.num_proc if data.num_proc > 1 else None, remove_columns=ds.column_names,
+                    keep_in_memory=True)
+    flat = tokens.data.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    flat = flat.astype(np.int64)
+    _check_ids(flat, vocab_size)
+    row = data.seq_len + 1
+    rows = len(flat) // row
+    if rows == 0:
+        raise DataError(f"data-parallel shard {shard} of {data.source} has {len(flat)} tokens, fewer than one "
+                        f"sequence of seq_len + 1 = {row}: add data or lower seekspeed.data.seq_len")
+    return flat[:rows * row].reshape(rows, row)
+
+
+class PackedBatches:
+    """Endless micro-batches ``(input_ids, labels)`` over packed rows, reshuffled each
+    epoch by a seeded permutation. ``position`` counts micro-batches served, so a
+    resumed run can continue at the same sample (``start``)."""
+
+    def __init__(self, sequences, *, micro_batch, seed, start=0):
+        if len(sequences) < micro_batch:
+            raise DataError(f"only {len(sequences)} packed sequences on this data-parallel shard, fewer than "
+                            f"train_micro_batch_size_per_gpu {micro_batch}: add data or lower the micro-batch")
+        self.sequences = torch.from_numpy(sequences)
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.per_epoch = len(sequences) // micro_batch
+        self.position = start
+        self._epoch, self._order = None, None
+
+    def _epoch_order(self, epoch):
+        if self._epoch != epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(len(self.sequences), generator=g)
+        return self._order
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        epoch, index = divmod(self.position, self.per_epoch)
+        rows = self._epoch_order(epoch)[index * self.micro_batch:(index + 1) * self.micro_batch]
+        self.position += 1
+        batch = self.sequences[rows]
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()

@@ -1,0 +1,117 @@
+"""Documents from Hugging Face ``datasets``: local text/json/parquet files, a
+directory of them, a ``save_to_disk`` directory, or the offline demo corpus."""
+
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from ds_ext.errors import ConfigError, DataError
+
+DEMO_MAX_BYTES = 8 * 2**20
+_EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+               ".parquet": "parquet"}
+
+
+def cache_dir():
+    return Path(os.environ.get("SEEKSPEED_CACHE", Path.home() / ".cache" / "seekspeed"))
+
+
+def stdlib_corpus(max_bytes=DEMO_MAX_BYTES):
+    """A JSONL file of this Python's standard-library sources (one document per
+    module, sorted by path, up to ``max_bytes``). Built once, atomically, offline."""
+    version = ".".join(map(str, sys.version_info[:3]))
+    out = cache_dir() / f"stdlib-{version}-{max_bytes}.jsonl"
+    if out.exists():
+        return out
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".stdlib-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for path in sorted(root.rglob("*.py")):
+                if "site-packages" in path.parts or total >= max_bytes:
+                    continue
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except (UnicodeDecodeError, OSError):
+                    continue
+                if not text.strip():
+                    continue
+                f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
+                total += len(text)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if total == 0:
+        raise DataError(f"no readable .py files under {root}: set seekspeed.data.source to a local corpus")
+    return out
+
+
+def _format_of(path, fmt):
+    if fmt != "auto":
+        return fmt
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            return "saved"
+        formats = {_EXTENSIONS.get(p.suffix) for p in path.iterdir() if p.is_file()} - {None}
+        if len(formats) != 1:
+            raise ConfigError(f"seekspeed.data.source {path}: cannot tell the format of this directory "
+                              f"(found {sorted(formats) or 'no .txt/.json/.jsonl/.parquet files'}); "
+                              f"set seekspeed.data.format")
+        return formats.pop()
+    if path.suffix not in _EXTENSIONS:
+        raise ConfigError(f"seekspeed.data.source {path}: unknown extension {path.suffix!r}; "
+                          f"set seekspeed.data.format to text, json or parquet")
+    return _EXTENSIONS[path.suffix]
+
+
+def resolve_source(data):
+    """(format, path) of the configured source; checks it exists without reading it."""
+    if data.source == "stdlib":
+        return "json", None
+    path = Path(data.source).expanduser()
+    if not path.exists():
+        raise ConfigError(f"seekspeed.data.source {data.source} does not exist: point it at a local "
+                          f"text/json/parquet file or directory, or use \"stdlib\" for the demo corpus")
+    return _format_of(path, data.format), path
+
+
+def load_documents(data):
+    """The configured documents as a ``datasets.Dataset`` with a text column."""
+    import datasets
+    datasets.disable_progress_bars()
+    fmt, path = resolve_source(data)
+    text_field = data.text_field
+    if path is None:
+        path, text_field = stdlib_corpus(), "text"
+    if fmt == "saved":
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"{path}: saved DatasetDict has no 'train' split (has {list(ds)})")
+            ds = ds["train"]
+    else:
+        files = sorted(str(p) for p in path.iterdir() if p.suffix in _EXTENSIONS) if path.is_dir() else [str(path)]
+        if not files:
+            raise DataError(f"seekspeed.data.source {path}: no data files in this directory")
+        kwargs = {"sample_by": "document"} if fmt == "text" else {}
+        if fmt == "text":
+            text_field = "text"
+        try:
+            ds = datasets.load_dataset(fmt, data_files=files, split="train", **kwargs)
+        except datasets.exceptions.DatasetGenerationError as exc:
+            cause = exc.__cause__ or exc
+            raise DataError(f"seekspeed.data.source {path}: cannot read as {fmt} "
+                            f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
+    if text_field not in ds.column_names:
+        raise ConfigError(f"seekspeed.data.text_field {text_field!r} is not a column of {path} "
+                          f"(columns: {ds.column_names})")
+    if data.max_documents is not None:
+        ds = ds.select(range(min(data.max_documents, len(ds))))
+    return ds, text_field

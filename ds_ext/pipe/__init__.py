@@ -1,0 +1,42 @@
+"""Pipeline schedules, chosen by ``seekspeed.schedule``.
+
+- ``1f1b``: DeepSpeed's TrainSchedule on a PipelineModule.
+- ``dualpipev``: DeepSpeed's own DualPipeV (DualPipeVModule + DualPipeVEngine); each
+  pipeline rank holds two stages, so the model is cut into 2 x stages parts.
+"""
+
+from ds_ext.errors import ConfigError
+
+SCHEDULES = ("1f1b", "dualpipev")
+
+
+def pipeline_module_class(schedule):
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    return {"1f1b": PipelineModule, "dualpipev": DualPipeVModule}[check_schedule(schedule)]
+
+
+def check_schedule(schedule):
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"seekspeed.schedule: unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
+    return schedule
+
+
+def virtual_stages(schedule, stages):
+    """How many parts the layer list is cut into."""
+    return 2 * stages if check_schedule(schedule) == "dualpipev" else stages
+
+
+def check_micro_batches(schedule, *, stages, micro_batches):
+    """Schedules' constraints on gradient accumulation, checked before DeepSpeed starts."""
+    if schedule == "dualpipev" and micro_batches < 2 * stages:
+        raise ConfigError(f"dualpipev needs gradient_accumulation_steps >= 2 x pipeline.stages "
+                          f"({2 * stages}), got {micro_batches}: raise gradient_accumulation_steps "
+                          f"(train_batch_size) or use schedule 1f1b")
+
+
+def data_stages(schedule, stages):
+    """Pipeline stage ids whose ranks read training data (inputs and/or labels)."""
+    if schedule == "dualpipev":
+        return {0}  # rank 0 holds both the first stage and the loss stage
+    return {0, stages - 1}

@@ -1,0 +1,24 @@
+"""Train a seekspeed recipe on DeepSpeed's pipeline engine.
+
+    # CPU, 4 gloo ranks (2 pipeline stages x 2 data-parallel), the tiny recipe:
+    deepspeed --num_gpus 4 launch/train.py --deepspeed ds_configs/tiny_cpu.json
+    # one node, 8 GPUs:
+    deepspeed --num_gpus 8 launch/train.py --deepspeed ds_configs/single_node.json
+    # 128 nodes x 8 GPUs (hostfile format: launch/hosts.example):
+    deepspeed --hostfile hosts launch/train.py --deepspeed ds_configs/128node.json
+    # the same under torchrun, or one rank with plain python:
+    torchrun --nproc_per_node 4 launch/train.py --deepspeed ds_configs/tiny_cpu.json
+    python launch/train.py --deepspeed ds_configs/tiny_1rank.json
+    # continue the latest checkpoint of seekspeed.checkpoint.dir:
+    deepspeed --num_gpus 4 launch/train.py --deepspeed ds_configs/tiny_cpu.json --resume
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ds_ext.trainer import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""DeepSeek-V3 family recipe: Multi-head Latent Attention, SwiGLU or DeepSeekMoE
+feed-forward, RMSNorm, decoupled RoPE with YaRN, as a DeepSpeed PipelineModule.
+
+Copy this file to make a new model: change the config fields or presets, or the
+layer list in ``layer_specs``. Field names are transformers' DeepseekV3Config names,
+so ``to_hf_config()`` gives a config that transformers loads as the same model.
+
+    python -m recipes.deepseek_v3 --preset deepseek-v3 --stages 16 --schedule dualpipev
+prints the parameters each pipeline rank holds, built on the meta device.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ds_ext.errors import ConfigError
+from ds_ext.schema import from_dict
+from recipes.layers import rope
+from recipes.layers.mlp import ACTIVATIONS
+from recipes.layers.pipe import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, causal_lm_loss,
+                                 tied_lm_head)
+
+
+@dataclass(kw_only=True)
+class DeepseekV3Config:
+    # shape
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # mla
+    q_lora_rank: int | None = None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # rope
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_interleave: bool = True
+    # moe: layer i is MoE when i >= first_k_dense_replace (and n_routed_experts > 0)
+    first_k_dense_replace: int = 0
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def check(self, where="recipe"):
+        positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError(f"{where}.q_lora_rank must be positive or null (plain q_proj), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{where}.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"{where}.hidden_act {self.hidden_act!r} is not supported: use one of {list(ACTIVATIONS)}")
+        rope.check_rope_parameters(self.rope_parameters, where=f"{where}.rope_parameters")
+        if self.num_moe_layers():
+            self._check_moe(where)
+
+    def _check_moe(self, where):
+        e, g = self.n_routed_experts, self.n_group
+        if self.moe_intermediate_size <= 0:
+            raise ConfigError(f"{where}.moe_intermediate_size must be positive for MoE layers")
+        if g <= 0 or e % g:
+            raise ConfigError(f"{where}: n_routed_experts ({e}) must be divisible by n_group ({g})")
+        if e // g < 2:
+            raise ConfigError(f"{where}: each expert group needs >= 2 experts (group score = sum of its top 2); "
+                              f"n_routed_experts ({e}) / n_group ({g}) < 2")
+        if not 1 <= self.topk_group <= g:
+            raise ConfigError(f"{where}.topk_group ({self.topk_group}) must be between 1 and n_group ({g})")
+        if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
+            raise ConfigError(f"{where}.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                              f"topk_group * experts per group ({self.topk_group * (e // g)})")
+
+    def is_moe_layer(self, layer_idx):
+        return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    def num_moe_layers(self):
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def to_hf_config(self):
+        """The same model as a ``transformers.DeepseekV3Config``."""
+        from transformers import DeepseekV3Config as HFConfig
+        fields = dataclasses.asdict(self)
+        moe = self.num_moe_layers() > 0
+        fields["first_k_dense_replace"] = self.first_k_dense_replace if moe else self.num_hidden_layers
+        if not moe:
+            # transformers needs valid MoE fields even when every layer is dense
+            fields.update(n_routed_experts=max(self.n_routed_experts, 2), n_group=1, topk_group=1,
+                          num_experts_per_tok=1, moe_intermediate_size=max(self.moe_intermediate_size, 1))
+        return HFConfig(**fields, num_key_value_heads=self.num_attention_heads, num_mtp_layers=0,
+                        pad_token_id=None)
+
+
+# Presets. Numbers from the released config.json files of DeepSeek-V2-Lite and DeepSeek-V3.
+PRESETS = {
+    # A CPU step in well under a second; all layers dense (MoE: see README).
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, max_position_embeddings=1024, q_lora_rank=64, kv_lora_rank=32,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=4),
+    "deepseek-v2-lite": dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        max_position_embeddings=163840, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707},
+        first_k_dense_replace=1, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+    "deepseek-v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+        max_position_embeddings=163840, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        first_k_dense_replace=3, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
+def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
+    """A checked config from a named preset plus field overrides."""
+    if preset not in PRESETS:
+        raise ConfigError(f"{where}.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return from_dict(DeepseekV3Config, {**PRESETS[preset], **(overrides or {})}, where=f"{where}.overrides")
+
+
+def layer_specs(config, *, seed):
+    """The model as DeepSpeed layer specs: embedding, decoder layers, final norm, head.
+
+    With tie_word_embeddings the embedding and the head are one TiedLayerSpec key, so
+    DeepSpeed keeps the matrix on both end stages and sums their gradients.
+    """
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    if config.tie_word_embeddings:
+        specs = [TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, tied_weight_attr=["embed_tokens.weight"])]
+    else:
+        specs = [LayerSpec(EmbeddingPipe, config, seed=seed)]
+    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed) for i in range(config.num_hidden_layers)]
+    specs.append(LayerSpec(FinalNormPipe, config))
+    if config.tie_word_embeddings:
+        specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, forward_fn=tied_lm_head,
+                                   tied_weight_attr=["embed_tokens.weight"]))
+    else:
+        specs.append(LayerSpec(LMHeadPipe, config, seed=seed))
+    return specs
+
+
+DEFAULT_PARTITION = "type:DecoderLayerPipe"
+
+
+def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=DEFAULT_PARTITION,
+                   activation_checkpoint_interval=0, seed=1234):
+    """The model as a DeepSpeed PipelineModule (DualPipeVModule for ``dualpipev``).
+
+    Only the layers of this rank's stage(s) are built. Call after
+    ``deepspeed.init_distributed()``.
+    """
+    from ds_ext.pipe import pipeline_module_class
+    stages = num_stages if num_stages is not None else topology.get_dim("pipe")
+    check_stages(config, stages=stages, schedule=schedule)
+    module_cls = pipeline_module_class(schedule)
+    return module_cls(layers=layer_specs(config, seed=seed), num_stages=num_stages, topology=topology,
+                      loss_fn=causal_lm_loss, partition_method=partition_method,
+                      activation_checkpoint_interval=activation_checkpoint_interval,
+                      checkpointable_layers=["DecoderLayerPipe"])
+
+
+def check_stages(config, *, stages, schedule):
+    from ds_ext.pipe import virtual_stages
+    parts = virtual_stages(schedule, stages)
+    if parts > config.num_hidden_layers:
+        extra = f" ({stages} ranks x 2 for {schedule})" if parts != stages else ""
+        raise ConfigError(f"pipeline stages {parts}{extra} exceed decoder layers ({config.num_hidden_layers}): "
+                          f"lower pipeline.stages or add layers (num_hidden_layers)")
+
+
+def _main():
+    import argparse
+    from ds_ext.pipe import SCHEDULES
+    from recipes.layers.pipe import stage_parameter_counts
+    parser = argparse.ArgumentParser(description="Parameters per pipeline rank, built on the meta device.")
+    parser.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    parser.add_argument("--stages", type=int, default=16)
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--partition", default=DEFAULT_PARTITION)
+    args = parser.parse_args()
+    config = make_config(args.preset)
+    check_stages(config, stages=args.stages, schedule=args.schedule)
+    rows = stage_parameter_counts(layer_specs(config, seed=0), stages=args.stages, schedule=args.schedule,
+                                  partition_method=args.partition)
+    print(f"{'rank':>4}  {'layers':<24} {'params':>16}  {'bf16 weights':>12}")
+    for row in rows:
+        ranges = ", ".join(f"[{a},{b})" for a, b in row["layer_ranges"])
+        print(f"{row['rank']:>4}  {ranges:<24} {row['params']:>16,}  {row['params'] * 2 / 2**30:>9.2f} GiB")
+    unique = rows[0]["unique_total"]
+    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B)")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,202 @@
+"""Pipeline wrappers: each class is one entry of a PipelineModule's layer list and
+maps one tensor to the next (token ids -> hidden states -> ... -> logits).
+
+Every layer initialises its own weights from ``(seed, position)``, so the model is the
+same however DeepSpeed partitions it over stages: a pipelined run and a
+single-process reference start from bitwise-equal weights.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mla import MLAttention
+from .mlp import SwiGLU
+from .moe import DeepSeekMoE, RoutedExperts, TopkRouter
+from .norm import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+def _init_weights(module, std):
+    """transformers' DeepseekV3 initialisation: N(0, std) weights, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+        elif isinstance(m, TopkRouter):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            nn.init.zeros_(m.e_score_correction_bias)
+        elif isinstance(m, RoutedExperts):
+            nn.init.normal_(m.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(m.down_proj, mean=0.0, std=std)
+
+
+def seeded_init(module, *, seed, std):
+    """Initialise ``module`` from its own RNG stream, leaving the global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _init_weights(module, std)
+
+
+def layer_seed(base_seed, position):
+    return (base_seed * 1_000_003 + position) % (2**63 - 1)
+
+
+class EmbeddingPipe(nn.Module):
+
+    def __init__(self, config, *, seed):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        seeded_init(self, seed=layer_seed(seed, 0), std=config.initializer_range)
+
+    def forward(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+
+class DecoderLayerPipe(nn.Module):
+    """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
+
+    def __init__(self, config, *, layer_idx, seed):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = MLAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = DeepSeekMoE(config)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
+        seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
+
+    def forward(self, hidden):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class FinalNormPipe(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden):
+        return self.norm(hidden)
+
+
+class LMHeadPipe(nn.Module):
+
+    def __init__(self, config, *, seed):
+        super().__init__()
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        seeded_init(self, seed=layer_seed(seed, 1 + config.num_hidden_layers), std=config.initializer_range)
+
+    def forward(self, hidden):
+        return self.lm_head(hidden)
+
+
+def tied_lm_head(embedding, hidden):
+    """TiedLayerSpec forward_fn: the head reuses the embedding matrix."""
+    return F.linear(hidden, embedding.embed_tokens.weight)
+
+
+def causal_lm_loss(logits, labels):
+    """Mean next-token cross-entropy in fp32; ``labels`` are already shifted and use
+    -100 for positions without a target."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+# ---- partitioning and references (no process group needed) ----------------------
+
+def _spec_name(spec):
+    return spec.typename.__name__
+
+
+def partition(specs, *, num_parts, method):
+    """Layer boundaries exactly as DeepSpeed's PipelineModule computes them."""
+    import re
+    from deepspeed.runtime import utils as ds_utils
+    method = method.lower()
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(specs), num_parts=num_parts)
+    if method == "parameters":
+        return ds_utils.partition_balanced(weights=[count_parameters(s) for s in specs], num_parts=num_parts)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [1 if pattern.search(_spec_name(s)) else 0 for s in specs]
+        if not any(weights):
+            raise ValueError(f"partition method {method!r} matches no layer")
+        return ds_utils.partition_balanced(weights=weights, num_parts=num_parts)
+    raise ValueError(f"unknown partition method {method!r}: use 'uniform', 'parameters' or 'type:REGEX'")
+
+
+def count_parameters(spec):
+    """Parameters of one layer spec, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        module = spec.build()
+    return sum(p.numel() for p in module.parameters())
+
+
+def stage_parameter_counts(specs, *, stages, schedule, partition_method):
+    """Per pipeline rank: its layer ranges and parameter count, without allocating."""
+    from ds_ext.pipe import virtual_stages
+    parts = virtual_stages(schedule, stages)
+    bounds = partition(specs, num_parts=parts, method=partition_method)
+    counts = [count_parameters(s) for s in specs]
+    tied_keys = {}
+    for idx, spec in enumerate(specs):
+        if hasattr(spec, "key"):
+            tied_keys.setdefault(spec.key, idx)
+    unique_total = sum(c for i, c in enumerate(counts) if not hasattr(specs[i], "key") or tied_keys[specs[i].key] == i)
+    rows = []
+    for rank in range(stages):
+        owned = [rank] if parts == stages else [rank, parts - 1 - rank]
+        ranges = [(bounds[p], bounds[p + 1]) for p in owned]
+        seen_keys, params = set(), 0
+        for start, stop in ranges:
+            for idx in range(start, stop):
+                key = getattr(specs[idx], "key", None)
+                if key is not None:
+                    if key in seen_keys:
+                        continue
+                    seen_keys.add(key)
+                params += counts[idx]
+        rows.append({"rank": rank, "layer_ranges": ranges, "params": params, "unique_total": unique_total})
+    return rows
+
+
+class SequentialReference(nn.Module):
+    """All layers of a spec list in one process: the single-rank reference a
+    pipelined run is checked against. Tied specs share one module, as in DeepSpeed,
+    and state-dict keys are a PipelineModule's ("3.self_attn.o_proj.weight",
+    "tied_modules.embed.embed_tokens.weight"), so weights compare key by key."""
+
+    def __init__(self, specs, loss_fn=causal_lm_loss):
+        super().__init__()
+        self.tied_modules = nn.ModuleDict()
+        self._funcs = []
+        for idx, spec in enumerate(specs):
+            key = getattr(spec, "key", None)
+            if key is None:
+                module = spec.build()
+                self.add_module(str(idx), module)
+                self._funcs.append(module)
+                continue
+            if key not in self.tied_modules:
+                self.tied_modules[key] = spec.build()
+            module = self.tied_modules[key]
+            fn = spec.forward_fn
+            self._funcs.append(module if fn is None else (lambda x, m=module, f=fn: f(m, x)))
+        self.loss_fn = loss_fn
+
+    def forward(self, input_ids):
+        x = input_ids
+        for fn in self._funcs:
+            x = fn(x)
+        return x
