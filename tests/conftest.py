@@ -1,0 +1,17 @@
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("PYTHONPATH", ROOT)
+
+
+def pytest_sessionstart(session):
+    # Data caches live in one temporary directory per test session, inherited by the
+    # ranks and launchers the tests spawn: no test reads or writes the user's caches.
+    import tempfile
+    cache = tempfile.mkdtemp(prefix="seekspeed-test-cache-")
+    os.environ.setdefault("SEEKSPEED_CACHE", os.path.join(cache, "seekspeed"))
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(cache, "hf-datasets"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

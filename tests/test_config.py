@@ -1,0 +1,156 @@
+"""Config validation: strict seekspeed section, DeepSpeed batch arithmetic, the
+bad-input errors of launch/train.py (one line, names the problem and the fix) and
+that a run failing validation writes nothing. Single process; about 10 s."""
+
+import copy
+import json
+import os
+
+import pytest
+
+from ds_ext import trainer
+from ds_ext.config import load_config
+from ds_ext.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "ds_configs", "tiny_cpu.json")
+
+
+def _write(tmp_path, mutate, name="cfg.json"):
+    with open(TINY) as f:
+        cfg = json.load(f)
+    cfg = copy.deepcopy(cfg)
+    mutate(cfg)
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _error(tmp_path, mutate, world_size=4):
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, mutate), world_size=world_size)
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+def test_tiny_config_resolves():
+    cfg = load_config(TINY, world_size=4)
+    lay = cfg.layout
+    assert (lay.pipe_stages, lay.data_parallel, lay.micro_batch, lay.grad_accum, lay.train_batch) == (2, 2, 4, 4, 32)
+    assert lay.tokens_per_step == 32 * 128
+    assert cfg.ds["scheduler"]["params"]["total_num_steps"] == cfg.section.train.steps
+    assert cfg.warnings == []
+
+
+def test_unknown_section_key_names_it_and_the_allowed_keys(tmp_path):
+    msg = _error(tmp_path, lambda c: c["seekspeed"]["data"].update(seq_length=64))
+    assert "'seq_length'" in msg and "seq_len" in msg and "allowed keys" in msg
+
+
+def test_wrong_type_names_the_field(tmp_path):
+    msg = _error(tmp_path, lambda c: c["seekspeed"]["data"].update(seq_len="128"))
+    assert "seekspeed.data.seq_len" in msg and "integer" in msg
+
+
+def test_unknown_schedule(tmp_path):
+    msg = _error(tmp_path, lambda c: c["seekspeed"].update(schedule="gpipe"))
+    assert "gpipe" in msg and "1f1b" in msg
+
+
+def test_batch_arithmetic_that_does_not_fit(tmp_path):
+    msg = _error(tmp_path, lambda c: c.update(train_batch_size=30))
+    assert "30" in msg and "set train_batch_size to 32" in msg
+
+
+def test_world_size_not_divisible_by_stages():
+    with pytest.raises(ConfigError, match="not divisible by pipeline.stages 2"):
+        load_config(TINY, world_size=3)
+
+
+def test_zero_stage_2_refused(tmp_path):
+    assert "stage 0 or 1" in _error(tmp_path, lambda c: c["zero_optimization"].update(stage=2))
+
+
+def test_dualpipev_needs_enough_micro_batches(tmp_path):
+    def mutate(c):
+        c["seekspeed"]["schedule"] = "dualpipev"
+        c["gradient_accumulation_steps"] = 3
+    assert ">= 2 x pipeline.stages (4), got 3" in _error(tmp_path, mutate)
+
+
+def test_misspelt_deepspeed_key_warns(tmp_path):
+    def mutate(c):
+        c["gradient_acumulation_steps"] = c.pop("gradient_accumulation_steps")
+    cfg = load_config(_write(tmp_path, mutate), world_size=4)
+    assert len(cfg.warnings) == 1
+    assert "'gradient_acumulation_steps'" in cfg.warnings[0] and "'gradient_accumulation_steps'" in cfg.warnings[0]
+
+
+def test_auto_only_for_total_steps(tmp_path):
+    assert "warmup_num_steps" in _error(tmp_path, lambda c: c["scheduler"]["params"].update(warmup_num_steps="auto"))
+
+
+def _main_error(tmp_path, capsys, mutate, extra=()):
+    ckpt = tmp_path / "ckpt"
+    path = _write(tmp_path, lambda c: (mutate(c), c["seekspeed"]["checkpoint"].update(dir=str(ckpt))))
+    os.environ.pop("RANK", None)
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        rc = trainer.main(["--deepspeed", path, *extra])
+    finally:
+        os.environ.pop("WORLD_SIZE")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert not ckpt.exists(), "a run that failed validation wrote into the checkpoint directory"
+    return err[0]
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda c: c["seekspeed"]["data"].update(source="/nonexistent/corpus.jsonl"), "does not exist"),
+    (lambda c: c["seekspeed"]["recipe"].update(preset="gpt5"), "unknown preset 'gpt5'"),
+    (lambda c: c["seekspeed"]["recipe"].update(name="llama"), "unknown recipe 'llama'"),
+    (lambda c: c["seekspeed"]["recipe"].update(overrides={"num_hidden_layers": 1}),
+     "pipeline stages 2 exceed decoder layers (1)"),
+    (lambda c: c["seekspeed"]["recipe"].update(overrides={"hidden_sise": 64}), "did you mean 'hidden_size'"),
+    (lambda c: c["seekspeed"]["recipe"].update(overrides={"vocab_size": 200}), "vocab_size >= 257"),
+    (lambda c: c.update(train_batch_size=64), "batch sizes do not fit 4 ranks"),
+])
+def test_train_rejects_bad_input_in_one_line(tmp_path, capsys, mutate, expected):
+    assert expected in _main_error(tmp_path, capsys, mutate)
+
+
+def test_dualpipev_stage_count_doubles(tmp_path, capsys):
+    def mutate(c):
+        c["seekspeed"]["schedule"] = "dualpipev"
+        c["seekspeed"]["recipe"]["overrides"] = {"num_hidden_layers": 3}
+    assert "pipeline stages 4 (2 ranks x 2 for dualpipev) exceed decoder layers (3)" in \
+        _main_error(tmp_path, capsys, mutate)
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    assert "--resume: no checkpoint" in _main_error(tmp_path, capsys, lambda c: None, extra=["--resume"])
+
+
+def test_existing_checkpoint_is_never_overwritten(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("global_step5")
+    path = _write(tmp_path, lambda c: c["seekspeed"]["checkpoint"].update(dir=str(ckpt)))
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        assert trainer.main(["--deepspeed", path]) == 2
+    finally:
+        os.environ.pop("WORLD_SIZE")
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert sorted(os.listdir(ckpt)) == ["latest"] and (ckpt / "latest").read_text() == "global_step5"
+
+
+def test_missing_and_invalid_json(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.json"), world_size=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,\n "seekspeed": {,}}')
+    with pytest.raises(ConfigError, match=r"bad.json:2:\d+: invalid JSON"):
+        load_config(str(bad), world_size=1)

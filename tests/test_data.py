@@ -1,0 +1,126 @@
+"""Minimal data path: local text/json/parquet files and saved datasets through
+Hugging Face datasets, byte-level and local transformers tokenizers, packing with
+end-of-document tokens, per-replica shards, resumable micro-batch order, and the
+errors for empty or unusable data. Single process; about 15 s."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ds_ext.config import DataSection
+from ds_ext.data import ByteTokenizer, PackedBatches, load_tokenizer, packed_sequences, stdlib_corpus
+from ds_ext.errors import ConfigError, DataError
+
+DOCS = [f"document {i}: " + "abcdefgh" * (i + 1) for i in range(12)]
+
+
+def _data(source, **kw):
+    return DataSection(source=str(source), seq_len=kw.pop("seq_len", 16), **kw)
+
+
+def _stream(docs):
+    out = []
+    for d in docs:
+        out += list(d.encode()) + [ByteTokenizer.eos_token_id]
+    return out
+
+
+def _write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "saved", "textdir"])
+def test_formats_pack_the_same_token_stream(tmp_path, fmt):
+    import datasets
+    if fmt == "jsonl":
+        source = _write_jsonl(tmp_path / "c.jsonl", DOCS)
+    elif fmt == "parquet":
+        source = tmp_path / "c.parquet"
+        datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(source))
+    elif fmt == "saved":
+        source = tmp_path / "saved"
+        datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(source))
+    else:
+        source = tmp_path / "txt"
+        source.mkdir()
+        for i, d in enumerate(DOCS):   # one document per file, file order = sorted names
+            (source / f"{i:03d}.txt").write_text(d)
+    rows = packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+    stream = _stream(DOCS)
+    assert rows.shape == (len(stream) // 17, 17)
+    np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])
+
+
+def test_shards_hold_contiguous_document_ranges(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", DOCS)
+    parts = [packed_sequences(_data(source, seq_len=7), ByteTokenizer(), vocab_size=512, shard=s, num_shards=3)
+             for s in range(3)]
+    assert all(len(p) for p in parts)
+    np.testing.assert_array_equal(parts[0].reshape(-1)[:20], _stream(DOCS[:4])[:20])
+    np.testing.assert_array_equal(parts[1].reshape(-1)[:20], _stream(DOCS[4:8])[:20])
+
+
+def test_batches_are_shifted_deterministic_and_resumable(tmp_path):
+    rows = np.arange(40 * 9, dtype=np.int64).reshape(40, 9)
+    a = PackedBatches(rows, micro_batch=4, seed=3)
+    first = [next(a) for _ in range(25)]          # crosses an epoch boundary (10 per epoch)
+    x, y = first[0]
+    assert x.shape == (4, 8) and (y[:, :-1] == x[:, 1:]).all()
+    b = PackedBatches(rows, micro_batch=4, seed=3, start=17)
+    for i in range(17, 25):
+        xb, yb = next(b)
+        assert (xb == first[i][0]).all() and (yb == first[i][1]).all()
+    epoch0 = {int(t[0, 0]) for t, _ in first[:10]}
+    assert len(epoch0) == 10       # ... no row repeats within an epoch
+    assert [int(t[0, 0]) for t, _ in first[:10]] != [int(t[0, 0]) for t, _ in first[10:20]]
+
+
+def test_local_transformers_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", "document", "abcdefgh", ":", "0", "1", "2"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    t = load_tokenizer(str(tmp_path / "tok"), vocab_size=64)
+    assert t.vocab_size == 8 and t.eos_token_id == 1
+    assert t.encode_documents(["document 1: abcdefgh"]) == [[2, 6, 4, 3, 1]]
+    with pytest.raises(ConfigError, match="vocab_size >= 8"):
+        load_tokenizer(str(tmp_path / "tok"), vocab_size=4)
+    with pytest.raises(ConfigError, match="neither 'byte' nor an existing local directory"):
+        load_tokenizer(str(tmp_path / "missing"), vocab_size=64)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    source = _write_jsonl(tmp_path / "empty.jsonl", ["", ""])
+    with pytest.raises(DataError, match="no non-empty documents"):
+        packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+
+
+def test_corpus_smaller_than_one_sequence(tmp_path):
+    source = _write_jsonl(tmp_path / "small.jsonl", ["hi"])
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        packed_sequences(_data(source, seq_len=64), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+
+
+def test_wrong_text_field(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", DOCS, field="content")
+    with pytest.raises(ConfigError, match="'text' is not a column"):
+        packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+
+
+def test_unreadable_json_is_a_data_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n\xff\xfe not json\n')
+    with pytest.raises(DataError, match="cannot read as json"):
+        packed_sequences(_data(bad), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+
+
+def test_stdlib_demo_corpus_is_offline_and_cached():
+    path = stdlib_corpus()
+    assert path.exists() and path.stat().st_size > 1_000_000
+    assert stdlib_corpus() == path
+    first = json.loads(path.open().readline())
+    assert set(first) == {"text", "path"} and first["path"].endswith(".py")

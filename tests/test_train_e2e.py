@@ -1,0 +1,125 @@
+"""End to end: launch/train.py under the real deepspeed launcher (4 ranks, 2 stages
+x 2 replicas), under torchrun (DualPipeV, 2 ranks) and under plain python (1 rank);
+resume continues the same loss trajectory; a bad corpus fails in one line without
+touching the checkpoint directory. Spawns launchers; about 90 s on 2 cores."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.distributed import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+BIN = os.path.dirname(sys.executable)
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _run(cmd, timeout=300):
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _config(tmp_path, name, mutate=None):
+    with open(os.path.join(ROOT, "ds_configs", name)) as f:
+        cfg = json.load(f)
+    if mutate:
+        mutate(cfg)
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.e2e
+def test_deepspeed_launcher_four_ranks(tmp_path):
+    ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
+    proc = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
+                 "--deepspeed", "ds_configs/tiny_cpu.json", "--steps", "8", "--checkpoint-dir", str(ckpt),
+                 "--summary-json", str(summary)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "4 ranks = 2 pipeline stages x 2 data-parallel" in out
+    assert "step 8/8 | loss" in out and "tok/s" in out and "eta" in out and "done: 8 steps" in out
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 8 and len(s["peak_rss_mib"]) == 4 and all(r > 0 for r in s["peak_rss_mib"])
+    assert s["losses"][-1] < s["losses"][0] - 0.5, s["losses"]
+    assert (ckpt / "latest").read_text().strip() == "global_step8"
+
+
+def _trainer_rank(argv):
+    from ds_ext import trainer
+    import io
+    import contextlib
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = trainer.main(argv)
+    return rc, buf.getvalue()
+
+
+@pytest.mark.multirank
+def test_resume_continues_the_same_trajectory(tmp_path):
+    cfg = _config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["checkpoint"].update(interval_steps=3))
+    full, sfull = tmp_path / "full", tmp_path / "full.json"
+    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                    args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(full),
+                           "--summary-json", str(sfull)],))
+    assert [rc for rc, _ in res] == [0, 0], res
+    # a run that stopped after step 3: its checkpoint directory as it was then
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copytree(full / "global_step3", part / "global_step3")
+    (part / "latest").write_text("global_step3")
+    spart = tmp_path / "part.json"
+    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                    args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(part), "--resume",
+                           "--summary-json", str(spart)],))
+    assert [rc for rc, _ in res] == [0, 0], res
+    assert "resumed from" in res[0][1]
+    a, b = json.loads(sfull.read_text()), json.loads(spart.read_text())
+    assert b["start_step"] == 3 and b["steps"] == 3
+    np.testing.assert_allclose(b["losses"], a["losses"][3:], rtol=1e-6, atol=0)
+    assert (part / "latest").read_text().strip() == "global_step6"
+
+
+@pytest.mark.e2e
+def test_torchrun_dualpipev(tmp_path):
+    summary = tmp_path / "s.json"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                 str(free_port()), TRAIN, "--deepspeed", "ds_configs/tiny_dualpipev_cpu.json", "--steps", "3",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-json", str(summary)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["layout"]["schedule"] == "dualpipev" and s["steps"] == 3
+
+
+@pytest.mark.e2e
+def test_plain_python_one_rank(tmp_path):
+    summary = tmp_path / "s.json"
+    proc = _run([sys.executable, TRAIN, "--deepspeed", "ds_configs/tiny_1rank.json", "--steps", "3",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-json", str(summary)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(summary.read_text())["layout"]["world_size"] == 1
+
+
+@pytest.mark.e2e
+def test_empty_corpus_fails_in_one_line_and_writes_nothing(tmp_path):
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text('{"text": ""}\n')
+    ckpt = tmp_path / "ckpt"
+    cfg = _config(tmp_path, "tiny_1rank.json", lambda c: c["seekspeed"]["data"].update(source=str(corpus)))
+    proc = _run([sys.executable, TRAIN, "--deepspeed", cfg, "--checkpoint-dir", str(ckpt)])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "no non-empty documents" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not ckpt.exists()
