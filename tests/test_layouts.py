@@ -52,6 +52,8 @@ def test_stages_are_balanced_and_fit_the_model(name, world):
                                   schedule=s.schedule, partition_method=cfg.ds["pipeline"]["partition"])
     params = [r["params"] for r in rows]
     assert max(params) / min(params) < 1.25, params
-    # bf16 weights + bf16 gradients + ZeRO-1 shard of fp32 master/Adam states, per GPU
-    worst = max(params) * (2 + 2 + 12 / cfg.layout.data_parallel) / 2**30
-    assert worst < 40, f"model states alone need {worst:.1f} GiB per GPU"
+    # bf16 weights + fp32 gradient accumulation + ZeRO-1 shard of fp32 master/Adam states
+    assert cfg.ds["data_types"]["grad_accum_dtype"] == "fp32"
+    worst = max(params) * (2 + 4 + 12 / cfg.layout.data_parallel) / 2**30
+    # leaves >= 26 GiB of an 80 GB (74.5 GiB) GPU for checkpointed activations and buffers
+    assert worst < 48, f"model states alone need {worst:.1f} GiB per GPU"

@@ -123,3 +123,23 @@ def test_empty_corpus_fails_in_one_line_and_writes_nothing(tmp_path):
     assert len(errors) == 1 and "no non-empty documents" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not ckpt.exists()
+
+
+@pytest.mark.multirank
+def test_bf16_with_fp32_accumulation_tracks_fp32(tmp_path):
+    """bf16 comes from the JSON: DeepSpeed's BF16 optimizer (ZeRO-1, fp32 gradient
+    accumulation, as in the production configs) follows the fp32 run closely."""
+    def bf16(c):
+        c["bf16"] = {"enabled": True}
+        c["data_types"] = {"grad_accum_dtype": "fp32"}
+    losses = {}
+    for name, mutate in (("fp32", None), ("bf16", bf16)):
+        cfg = _config(tmp_path, "tiny_cpu.json", mutate)
+        summary = tmp_path / f"{name}.json"
+        res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                        args=(["--deepspeed", cfg, "--steps", "5", "--checkpoint-dir", str(tmp_path / name),
+                               "--summary-json", str(summary)],))
+        assert [rc for rc, _ in res] == [0, 0], res
+        losses[name] = json.loads(summary.read_text())["losses"]
+    diff = np.abs(np.array(losses["bf16"]) - np.array(losses["fp32"]))
+    assert diff.max() < 0.02 and diff.max() > 0, losses

@@ -1,0 +1,153 @@
+"""tokens/s and peak RSS per rank for the tiny recipe at 4 ranks, side by side:
+
+  1f1b       seekspeed pipeline, 2 stages x 2 replicas, DeepSpeed's 1F1B
+  dualpipev  seekspeed pipeline, 2 stages x 2 replicas, DeepSpeed's DualPipeV
+  hf-dp      what a user would otherwise run: transformers' DeepseekV3ForCausalLM of
+             the same config, plain DeepSpeed data parallelism (ZeRO-1, 4 replicas)
+
+Same tokens per optimizer step (the JSON's train_batch_size x seq_len), same data,
+optimizer and scheduler (all from ds_configs/tiny_cpu.json). Runs are interleaved
+(a, b, c, a, b, c, ...) and each figure is the median over repeats; ratios are
+against hf-dp. Every run goes through the real deepspeed launcher.
+
+    python benchmarks/tiny_throughput.py --steps 40 --repeats 3 --json bench_out/tiny.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RUNS = {
+    "1f1b": ["launch/train.py", "--deepspeed", "ds_configs/tiny_cpu.json"],
+    "dualpipev": ["launch/train.py", "--deepspeed", "ds_configs/tiny_dualpipev_cpu.json"],
+    "hf-dp": ["benchmarks/tiny_throughput.py", "--worker", "hf-dp", "--config", "ds_configs/tiny_cpu.json"],
+}
+WORLD = 4
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(name, steps, workdir):
+    summary = os.path.join(workdir, f"{name}-{len(os.listdir(workdir))}.json")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(WORLD), "--master_port",
+           str(_free_port()), *RUNS[name], "--steps", str(steps), "--summary-json", summary]
+    if name != "hf-dp":
+        cmd += ["--checkpoint-dir", os.path.join(workdir, f"ckpt-{os.path.basename(summary)}")]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    with open(summary) as f:
+        return json.load(f)
+
+
+def _hf_worker(args):
+    """One rank of the transformers + DeepSpeed data-parallel baseline."""
+    import time
+    import torch
+    import deepspeed
+    from deepspeed import comm as dist
+    from transformers import DeepseekV3ForCausalLM
+    from ds_ext.config import load_config
+    from ds_ext.data import PackedBatches, load_tokenizer, packed_sequences
+    from ds_ext.progress import Progress, peak_rss_mib
+    from recipes import deepseek_v3
+    from recipes.layers.pipe import causal_lm_loss
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config(args.config, world_size=world, overrides={"train.steps": args.steps})
+    s, lay = cfg.section, cfg.layout
+    ds = {k: v for k, v in cfg.ds.items() if k not in ("seekspeed", "pipeline", "gradient_accumulation_steps")}
+    ds["train_batch_size"] = lay.train_batch           # same tokens per step, now over `world` replicas
+    ds["gradient_accumulation_steps"] = lay.train_batch // (lay.micro_batch * world)
+    ds["steps_per_print"] = 10**9
+    model_cfg = deepseek_v3.make_config(s.recipe.preset, s.recipe.overrides)
+    torch.manual_seed(s.train.seed)
+    model = DeepseekV3ForCausalLM(model_cfg.to_hf_config())
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    rank = dist.get_rank()
+    rows = packed_sequences(s.data, load_tokenizer(s.data.tokenizer, vocab_size=model_cfg.vocab_size),
+                            vocab_size=model_cfg.vocab_size, shard=rank, num_shards=world)
+    batches = PackedBatches(rows, micro_batch=lay.micro_batch, seed=s.train.seed)
+    progress = Progress(start_step=0, total_steps=args.steps, tokens_per_step=lay.tokens_per_step,
+                        log_interval=s.train.log_interval, enabled=rank == 0)
+    gas = engine.gradient_accumulation_steps()
+    for step in range(1, args.steps + 1):
+        total = torch.zeros(())
+        for _ in range(gas):
+            x, y = next(batches)
+            loss = causal_lm_loss(engine(input_ids=x).logits, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / gas
+        dist.all_reduce(total)
+        progress.update(step, total.item() / world, lr=engine.get_lr()[0])
+    summary = progress.summary()
+    rss = torch.tensor([peak_rss_mib()], dtype=torch.float64)
+    gathered = [torch.zeros_like(rss) for _ in range(world)]
+    dist.all_gather(gathered, rss)
+    summary["peak_rss_mib"] = [float(t.item()) for t in gathered]
+    if rank == 0:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f)
+    dist.barrier()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each configuration")
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--worker", choices=["hf-dp"], help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--summary-json", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return _hf_worker(args)
+
+    results = {name: [] for name in RUNS}
+    with tempfile.TemporaryDirectory(prefix="seekspeed-bench-") as workdir:
+        for rep in range(args.repeats):
+            for name in RUNS:
+                print(f"[{rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
+                results[name].append(_launch(name, args.steps, workdir))
+
+    rows = {}
+    for name, runs in results.items():
+        rows[name] = {
+            "tokens_per_s": statistics.median(r["steady_tokens_per_s"] for r in runs),
+            "tokens_per_s_runs": [r["steady_tokens_per_s"] for r in runs],
+            "peak_rss_mib_per_rank": [statistics.median(col) for col in zip(*(r["peak_rss_mib"] for r in runs))],
+            "loss_last": statistics.median(r["loss_last"] for r in runs),
+        }
+    base = rows["hf-dp"]["tokens_per_s"]
+    print(f"\ntiny recipe, {WORLD} ranks, {args.steps} steps x {args.repeats} interleaved repeats "
+          f"(median; steady state after the first step)")
+    print(f"{'run':<10} {'tok/s':>9} {'vs hf-dp':>9}  {'peak RSS per rank (MiB)':<28} {'final loss':>10}")
+    for name, row in rows.items():
+        rss = " ".join(f"{v:5.0f}" for v in row["peak_rss_mib_per_rank"])
+        print(f"{name:<10} {row['tokens_per_s']:>9,.0f} {row['tokens_per_s'] / base:>8.2f}x  {rss:<28} "
+              f"{row['loss_last']:>10.4f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "repeats": args.repeats, "world_size": WORLD, "runs": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
