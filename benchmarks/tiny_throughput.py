@@ -5,8 +5,11 @@
   hf-dp      what a user would otherwise run: transformers' DeepseekV3ForCausalLM of
              the same config, plain DeepSpeed data parallelism (ZeRO-1, 4 replicas)
 
-Same tokens per optimizer step (the JSON's train_batch_size x seq_len), same data,
-optimizer and scheduler (all from ds_configs/tiny_cpu.json). Runs are interleaved
+Same tokens per optimizer step (the JSON's train_batch_size x seq_len), same initial
+weights (the recipe's seeded init, copied into the transformers model), the same
+micro-batches in every step (each hf-dp rank takes its share of one pipeline
+replica's micro-batches), same optimizer and scheduler (all from
+ds_configs/tiny_cpu.json), so the losses are comparable too. Runs are interleaved
 (a, b, c, a, b, c, ...) and each figure is the median over repeats; ratios are
 against hf-dp. Every run goes through the real deepspeed launcher.
 
@@ -64,7 +67,8 @@ def _hf_worker(args):
     from ds_ext.data import PackedBatches, load_tokenizer, packed_sequences
     from ds_ext.progress import Progress, peak_rss_mib
     from recipes import deepseek_v3
-    from recipes.layers.pipe import causal_lm_loss
+    from recipes.layers.hf import copy_into_transformers
+    from recipes.layers.pipe import SequentialReference, causal_lm_loss
 
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -78,18 +82,30 @@ def _hf_worker(args):
     model_cfg = deepseek_v3.make_config(s.recipe.preset, s.recipe.overrides)
     torch.manual_seed(s.train.seed)
     model = DeepseekV3ForCausalLM(model_cfg.to_hf_config())
+    recipe_init = SequentialReference(deepseek_v3.layer_specs(model_cfg, seed=s.train.seed)).state_dict()
+    copy_into_transformers(model, recipe_init, model_cfg)
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     rank = dist.get_rank()
+    # pipeline replica r's micro-batches m = 0..gas-1 of each step are split over the
+    # `stride` hf-dp ranks that stand in for it: rank r*stride+o takes m = o, o+stride, ...
+    stride = world // lay.data_parallel
+    if world % lay.data_parallel or lay.grad_accum % stride:
+        sys.exit(f"hf-dp needs {world} ranks to split {lay.data_parallel} replicas x {lay.grad_accum} micro-batches evenly")
+    replica, offset = divmod(rank, stride)
     rows = packed_sequences(s.data, load_tokenizer(s.data.tokenizer, vocab_size=model_cfg.vocab_size),
-                            vocab_size=model_cfg.vocab_size, shard=rank, num_shards=world)
-    batches = PackedBatches(rows, micro_batch=lay.micro_batch, seed=s.train.seed)
+                            vocab_size=model_cfg.vocab_size, shard=replica, num_shards=lay.data_parallel)
+    stream = PackedBatches(rows, micro_batch=lay.micro_batch, seed=s.train.seed)
+
+    def micro_batch(step, m):
+        stream.position = (step - 1) * lay.grad_accum + m * stride + offset
+        return next(stream)
     progress = Progress(start_step=0, total_steps=args.steps, tokens_per_step=lay.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
     gas = engine.gradient_accumulation_steps()
     for step in range(1, args.steps + 1):
         total = torch.zeros(())
-        for _ in range(gas):
-            x, y = next(batches)
+        for m in range(gas):
+            x, y = micro_batch(step, m)
             loss = causal_lm_loss(engine(input_ids=x).logits, y)
             engine.backward(loss)
             engine.step()
@@ -134,15 +150,19 @@ def main():
             "tokens_per_s_runs": [r["steady_tokens_per_s"] for r in runs],
             "peak_rss_mib_per_rank": [statistics.median(col) for col in zip(*(r["peak_rss_mib"] for r in runs))],
             "loss_last": statistics.median(r["loss_last"] for r in runs),
+            "losses": runs[0]["losses"],
         }
     base = rows["hf-dp"]["tokens_per_s"]
+    for row in rows.values():
+        row["max_abs_loss_diff_vs_hf_dp"] = max(abs(a - b) for a, b in zip(row["losses"], rows["hf-dp"]["losses"]))
     print(f"\ntiny recipe, {WORLD} ranks, {args.steps} steps x {args.repeats} interleaved repeats "
           f"(median; steady state after the first step)")
-    print(f"{'run':<10} {'tok/s':>9} {'vs hf-dp':>9}  {'peak RSS per rank (MiB)':<28} {'final loss':>10}")
+    print(f"{'run':<10} {'tok/s':>9} {'vs hf-dp':>9}  {'peak RSS per rank (MiB)':<28} {'final loss':>10} "
+          f"{'max |dloss| vs hf-dp':>21}")
     for name, row in rows.items():
         rss = " ".join(f"{v:5.0f}" for v in row["peak_rss_mib_per_rank"])
         print(f"{name:<10} {row['tokens_per_s']:>9,.0f} {row['tokens_per_s'] / base:>8.2f}x  {rss:<28} "
-              f"{row['loss_last']:>10.4f}")
+              f"{row['loss_last']:>10.4f} {row['max_abs_loss_diff_vs_hf_dp']:>21.2e}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

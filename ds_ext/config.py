@@ -82,6 +82,8 @@ class CheckpointSection:
     save_final: bool = True
 
     def check(self, where):
+        if self.dir is not None and not self.dir.strip():
+            raise ConfigError(f"{where}.dir must be a path or null (no checkpoints), got an empty string")
         if self.interval_steps < 0:
             raise ConfigError(f"{where}.interval_steps must be >= 0 (0 = only at the end), got {self.interval_steps}")
 
@@ -159,7 +161,9 @@ def load_config(path, *, world_size, overrides=None):
         node = raw
         *parents, leaf = dotted.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
         node[leaf] = value
     section = from_dict(SeekspeedSection, raw, where=SECTION)
     ds[SECTION] = raw
@@ -174,7 +178,9 @@ _AUTO_SCHEDULER_PARAMS = {"total_num_steps"}
 def _fill_auto(ds, section):
     """``"auto"`` in the scheduler means "from seekspeed.train", so the step count
     lives in one place."""
-    params = ds.get("scheduler", {}).get("params", {})
+    params = _object(ds, "scheduler", path="config").get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"scheduler.params must be an object, got {params!r}")
     for key, value in params.items():
         if value == "auto":
             if key not in _AUTO_SCHEDULER_PARAMS:
@@ -183,11 +189,46 @@ def _fill_auto(ds, section):
             params[key] = section.train.steps
 
 
+# DeepSpeed's own "pipeline" keys (deepspeed/runtime/config.py get_pipeline_config)
+PIPELINE_KEYS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                 "grad_partitioned", "use_reentrant")
+
+# Top-level keys DeepSpeed reads through .keys() or outside DeepSpeedConfig, which the
+# recording dict below cannot see.
+_TOP_LEVEL_KEYS = {"optimizer", "scheduler", "activation_checkpointing", "flops_profiler", "aio", "autotuning",
+                   "tensorboard", "wandb", "csv_monitor", "comet", "data_efficiency", "torch_autocast",
+                   "zero_optimization", "elasticity", "compression_training", "weight_quantization",
+                   "sequence_parallel_size", "checkpoint", "data_types", "fp16", "bf16", "amp"}
+
+
+def _object(ds, key, *, path):
+    """ds[key] as a dict ({} when absent); anything else is a one-line error."""
+    value = ds.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key!r} must be an object, got {value!r}")
+    return value
+
+
 def pipeline_stages(ds, *, path="config"):
-    stages = ds.get("pipeline", {}).get("stages", 1)
+    pipeline = _object(ds, "pipeline", path=path)
+    unknown = sorted(set(pipeline) - set(PIPELINE_KEYS))
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, PIPELINE_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{path}: pipeline.{key} is not a DeepSpeed pipeline key{hint}; allowed: {list(PIPELINE_KEYS)}")
+    stages = pipeline.get("stages", 1)
     if stages == "auto" or not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ConfigError(f"{path}: pipeline.stages must be a positive integer (the pipeline degree), "
                           f"got {stages!r}")
+    interval = pipeline.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ConfigError(f"{path}: pipeline.activation_checkpoint_interval must be an integer >= 0 "
+                          f"(0 = off, N = checkpoint every N layers), got {interval!r}")
+    partition = pipeline.get("partition", "best")
+    if not isinstance(partition, str):
+        raise ConfigError(f"{path}: pipeline.partition must be a string such as 'type:DecoderLayerPipe', "
+                          f"got {partition!r}")
     return stages
 
 
@@ -225,11 +266,6 @@ class _RecordingDict(dict):
         return super().__contains__(key)
 
 
-def _deepspeed_constant_keys():
-    from deepspeed.runtime import constants
-    return {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
-
-
 def resolve_layout(ds, *, world_size, section, path="config"):
     """The parallel layout and the warnings about keys DeepSpeed will ignore.
 
@@ -241,9 +277,15 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"world size {world_size} is not divisible by pipeline.stages {stages}: "
                           f"launch a multiple of {stages} ranks or change pipeline.stages")
     dp = world_size // stages
+    for key in ("zero_optimization", "scheduler", "optimizer", "bf16", "fp16", "data_types"):
+        _object(ds, key, path=path)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
     zero = ds.get("zero_optimization", {}).get("stage", 0)
-    if zero not in (0, 1):
-        raise ConfigError(f"zero_optimization.stage {zero} cannot be used with DeepSpeed's pipeline engine: "
+    if zero not in (0, 1) or isinstance(zero, bool):
+        raise ConfigError(f"zero_optimization.stage {zero!r} cannot be used with DeepSpeed's pipeline engine: "
                           f"use stage 0 or 1")
     recorder = _RecordingDict({k: v for k, v in ds.items() if k != SECTION})
     try:
@@ -257,6 +299,10 @@ def resolve_layout(ds, *, world_size, section, path="config"):
                 f"data-parallel size ({dp})")
         raise ConfigError(f"batch sizes do not fit {world_size} ranks ({stages} stages x {dp} data-parallel): "
                           f"{' '.join(str(exc).split())}; {hint}") from None
+    except Exception as exc:  # DeepSpeed's parser: TypeError, pydantic ValidationError, ...
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ConfigError(f"{path}: DeepSpeed rejects the config ({type(exc).__name__}: {' | '.join(lines[:3])})"
+                          f"; fix the DeepSpeed keys named there") from None
     layout = Layout(world_size=world_size, pipe_stages=stages, data_parallel=dp,
                     micro_batch=resolved.train_micro_batch_size_per_gpu,
                     grad_accum=resolved.gradient_accumulation_steps, train_batch=resolved.train_batch_size,
@@ -266,7 +312,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
 
-    known = recorder.seen | _deepspeed_constant_keys() | {SECTION}
+    known = recorder.seen | _TOP_LEVEL_KEYS | {SECTION}
     warnings = []
     for key in ds:
         if key not in known:

@@ -85,8 +85,6 @@ def _convert(value, tp, where):
 
 def from_dict(cls, data, *, where):
     """Build dataclass ``cls`` from ``data``; ``where`` names the section in errors."""
-    if data is None:
-        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object with keys {allowed_keys(cls)}, got {data!r}")
     allowed = allowed_keys(cls)

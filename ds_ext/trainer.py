@@ -54,12 +54,16 @@ def _config_overrides(args):
 
 
 def _checkpoint_exists(directory):
-    return directory is not None and os.path.isfile(os.path.join(directory, "latest"))
+    """A DeepSpeed checkpoint lives here: a 'latest' file or a global_step* tag."""
+    if not directory or not os.path.isdir(directory):
+        return False
+    return any(name == "latest" or name.startswith("global_step") for name in os.listdir(directory))
 
 
 def validate(args, *, world_size):
     """Everything that can be checked before a process group exists: config, recipe,
-    stages vs layers, tokenizer vs vocabulary, data path, resume. Writes nothing."""
+    stages vs layers, partitioning, tokenizer vs vocabulary, data path, resume.
+    Writes nothing."""
     from recipes import get_recipe
     from .data import load_tokenizer, resolve_source
     cfg = load_config(args.config, world_size=world_size, overrides=_config_overrides(args))
@@ -67,18 +71,36 @@ def validate(args, *, world_size):
     recipe = get_recipe(s.recipe.name)
     model_config = recipe.make_config(s.recipe.preset, s.recipe.overrides)
     recipe.check_stages(model_config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
+    check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0))
     if model_config.max_position_embeddings < s.data.seq_len:
         raise ConfigError(f"seekspeed.data.seq_len {s.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model_config.max_position_embeddings}: lower seq_len or raise it in recipe.overrides")
     tokenizer = load_tokenizer(s.data.tokenizer, vocab_size=model_config.vocab_size)
     resolve_source(s.data)
-    if args.resume and not _checkpoint_exists(s.checkpoint.dir):
+    if args.resume and not os.path.isfile(os.path.join(s.checkpoint.dir or "", "latest")):
         raise ConfigError(f"--resume: no checkpoint in {s.checkpoint.dir!r} (no 'latest' file): "
                           f"run without --resume, or set seekspeed.checkpoint.dir / --checkpoint-dir")
-    if args.resume is False and s.checkpoint.dir and _checkpoint_exists(s.checkpoint.dir):
+    if not args.resume and _checkpoint_exists(s.checkpoint.dir):
         raise ConfigError(f"checkpoint directory {s.checkpoint.dir} already holds a checkpoint: pass --resume to "
                           f"continue it, or choose another --checkpoint-dir (nothing was overwritten)")
     return cfg, recipe, model_config, tokenizer
+
+
+def check_partition(method, specs):
+    """DeepSpeed's partition methods, checked before any rank builds a layer."""
+    import re
+    if method in ("uniform", "parameters"):
+        return
+    if not method.startswith("type:"):
+        raise ConfigError(f"pipeline.partition {method!r} is not a DeepSpeed partition method: use 'best' "
+                          f"(the recipe's default), 'uniform', 'parameters' or 'type:REGEX'")
+    try:
+        pattern = re.compile(method[len("type:"):], re.IGNORECASE)
+    except re.error as exc:
+        raise ConfigError(f"pipeline.partition {method!r}: invalid regular expression ({exc})") from None
+    names = sorted({spec.typename.__name__ for spec in specs})
+    if not any(pattern.search(n) for n in names):
+        raise ConfigError(f"pipeline.partition {method!r} matches no layer of the recipe (layers: {names})")
 
 
 def _partition_method(ds, recipe):
@@ -86,13 +108,59 @@ def _partition_method(ds, recipe):
     return recipe.DEFAULT_PARTITION if method == "best" else method
 
 
-def _all_ranks_ok(error):
-    """Collective: True when no rank failed; lets every rank stop together."""
-    import torch
-    from deepspeed import comm as dist
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-    dist.all_reduce(flag)
-    return int(flag.item()) == 0
+# What a checkpoint must agree on for --resume to continue the same sample order.
+_RESUME_KEYS = ("data_parallel", "micro_batch", "grad_accum", "seq_len", "schedule_steps", "source", "tokenizer",
+                "max_documents", "seed")
+
+
+def _resume_state(cfg):
+    s, lay = cfg.section, cfg.layout
+    return {"data_parallel": lay.data_parallel, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
+            "seq_len": lay.seq_len, "schedule_steps": s.train.steps, "source": s.data.source,
+            "tokenizer": s.data.tokenizer, "max_documents": s.data.max_documents, "seed": s.train.seed}
+
+
+def _check_resume_state(saved, cfg, path):
+    if not saved:
+        raise ConfigError(f"--resume: {path} was not written by seekspeed (no data position in it); "
+                          f"start a new run in another --checkpoint-dir")
+    now = _resume_state(cfg)
+    diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in _RESUME_KEYS if saved.get(k) != now[k]]
+    if diff:
+        raise ConfigError(f"--resume: {path} was trained with other settings ({'; '.join(diff)}): resume with the "
+                          f"checkpoint's world size, batch, data and train.steps (changing them on resume is not "
+                          f"supported yet)")
+
+
+class _ControlPlane:
+    """Small CPU collectives (errors, summary) on a gloo group, whatever backend
+    DeepSpeed trains with: NCCL only takes CUDA tensors."""
+
+    def __init__(self):
+        import torch.distributed as tdist
+        self.tdist = tdist
+        self.group = tdist.new_group(backend="gloo")
+
+    def gather(self, obj):
+        out = [None] * self.tdist.get_world_size()
+        self.tdist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def stop_if_any_failed(self, error, *, rank):
+        """Every rank learns whether any rank failed; rank 0 prints each distinct error
+        once, with the ranks that hit it; then all ranks stop together."""
+        messages = self.gather(None if error is None else f"{error}")
+        failed = {}
+        for r, m in enumerate(messages):
+            if m is not None:
+                failed.setdefault(m, []).append(r)
+        if not failed:
+            return
+        if rank == 0:
+            for message, ranks in failed.items():
+                print(f"error (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {message}",
+                      file=sys.stderr, flush=True)
+        raise _Reported()
 
 
 def run(args):
@@ -100,14 +168,10 @@ def run(args):
     rank = int(os.environ.get("RANK", "0"))
     cfg, recipe, model_config, tokenizer = validate(args, world_size=world_size)
     print_warnings(cfg.warnings, rank=rank)
-    s, layout = cfg.section, cfg.layout
 
     import torch
     import deepspeed
-    from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
-    from .data import PackedBatches, packed_sequences
-    from .pipe import data_stages
 
     if not args.verbose:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -115,18 +179,42 @@ def run(args):
     if get_accelerator().device_name() == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    else:
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    finished = False
     try:
-        return _train(args, cfg, recipe, model_config, tokenizer, torch, deepspeed, dist, PackedBatches,
-                      packed_sequences, data_stages)
+        rc = _train(args, cfg, recipe, model_config, tokenizer, _ControlPlane())
+        finished = True
+        return rc
     finally:
-        if dist.is_initialized():
-            dist.barrier()
+        # After a failure, peers may sit in a collective: no barrier then; the launcher
+        # (or process exit) tears the job down.
+        if finished and torch.distributed.is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
-def _train(args, cfg, recipe, model_config, tokenizer, torch, deepspeed, dist, PackedBatches, packed_sequences,
-           data_stages):
+def _load_rows(s, layout, tokenizer, model_config, *, shard):
+    from .data import packed_sequences
+    try:
+        return packed_sequences(s.data, tokenizer, vocab_size=model_config.vocab_size, shard=shard,
+                                num_shards=layout.data_parallel)
+    except SeekspeedError:
+        raise
+    except Exception as exc:  # a corrupt file surfaces as whatever its reader raises
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise DataError(f"cannot load seekspeed.data.source {s.data.source} ({type(exc).__name__}: {first}); "
+                        f"check the files, or point data.source elsewhere") from None
+
+
+def _train(args, cfg, recipe, model_config, tokenizer, control):
+    import torch
+    import deepspeed
+    from deepspeed import comm as dist
+    from .data import PackedBatches
+    from .pipe import data_stages
+
     s, layout = cfg.section, cfg.layout
     rank = dist.get_rank()
     if rank == 0:
@@ -144,27 +232,24 @@ def _train(args, cfg, recipe, model_config, tokenizer, torch, deepspeed, dist, P
     if stage in data_stages(s.schedule, layout.pipe_stages):
         try:
             t0 = time.perf_counter()
-            rows = packed_sequences(s.data, tokenizer, vocab_size=model_config.vocab_size, shard=dp_rank,
-                                    num_shards=layout.data_parallel)
+            rows = _load_rows(s, layout, tokenizer, model_config, shard=dp_rank)
             batches = PackedBatches(rows, micro_batch=layout.micro_batch, seed=s.train.seed)
             if dp_rank == 0 and stage == 0:
                 print(f"data: {s.data.source} -> {len(rows):,} sequences of {s.data.seq_len} tokens on data-parallel "
                       f"shard 0 ({time.perf_counter() - t0:.1f}s)", flush=True)
         except SeekspeedError as exc:
             error = exc
-    if not _all_ranks_ok(error):
-        if error is not None:
-            raise error
-        raise _PeerFailed("another rank failed while loading data (its error is printed above)")
+    control.stop_if_any_failed(error, rank=rank)
 
     ds_config = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     ckpt_dir = s.checkpoint.dir
     if args.resume:
-        load_path, _ = engine.load_checkpoint(ckpt_dir)
+        load_path, client_state = engine.load_checkpoint(ckpt_dir)
         if load_path is None:
             raise ConfigError(f"--resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
+        _check_resume_state((client_state or {}).get("seekspeed"), cfg, load_path)
         if rank == 0:
             print(f"resumed from {load_path} at step {engine.global_steps}", flush=True)
     start = engine.global_steps
@@ -174,25 +259,23 @@ def _train(args, cfg, recipe, model_config, tokenizer, torch, deepspeed, dist, P
     if start >= total and rank == 0:
         print(f"nothing to do: the checkpoint is at step {start} and seekspeed.train.steps is {total}", flush=True)
 
+    def save(step):
+        engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": _resume_state(cfg)})
+        saved.append(step)
+
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
     saved = []
     for step in range(start + 1, total + 1):
         loss = engine.train_batch(batches).item()
-        lr = engine.get_lr()[0]
-        progress.update(step, loss, lr=lr)
+        progress.update(step, loss, lr=engine.get_lr()[0])
         if ckpt_dir and s.checkpoint.interval_steps and step % s.checkpoint.interval_steps == 0 and step < total:
-            engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}")
-            saved.append(step)
+            save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
-        engine.save_checkpoint(ckpt_dir, tag=f"global_step{total}")
-        saved.append(total)
+        save(total)
 
     summary = progress.summary()
-    rss = torch.tensor([peak_rss_mib()], dtype=torch.float64)
-    gathered = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, rss)
-    summary.update(peak_rss_mib=[round(float(t.item()), 1) for t in gathered], config=cfg.path,
+    summary.update(peak_rss_mib=[round(r, 1) for r in control.gather(peak_rss_mib())], config=cfg.path,
                    layout=vars(layout) | {"tokens_per_step": layout.tokens_per_step},
                    checkpoints=[os.path.join(ckpt_dir, f"global_step{n}") for n in saved] if ckpt_dir else [])
     if rank == 0:
@@ -204,8 +287,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, torch, deepspeed, dist, P
     return 0
 
 
-class _PeerFailed(SeekspeedError):
-    """Raised on ranks that did nothing wrong when another rank failed."""
+class _Reported(Exception):
+    """A failure already reported on rank 0; this rank only exits with code 2."""
 
 
 def _print_summary(summary):
@@ -233,12 +316,14 @@ def main(argv=None):
     rank = int(os.environ.get("RANK", "0"))
     try:
         return run(args)
-    except _PeerFailed:
+    except _Reported:
         return 2
-    except ConfigError as exc:
-        if rank == 0:  # every rank validates the same config; say it once
+    except SeekspeedError as exc:
+        # Every rank validates the same config: say it once, on rank 0, plus once per
+        # other node in case its files differ (a path missing on one node only).
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except DataError as exc:
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        elif local_rank == 0:
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2

@@ -60,6 +60,12 @@ class DeepseekV3Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "initializer_range"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
+        for name in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "moe_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ConfigError(f"{where}.q_lora_rank must be positive or null (plain q_proj), got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
@@ -74,6 +80,8 @@ class DeepseekV3Config:
         e, g = self.n_routed_experts, self.n_group
         if self.moe_intermediate_size <= 0:
             raise ConfigError(f"{where}.moe_intermediate_size must be positive for MoE layers")
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(f"{where}.routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
         if g <= 0 or e % g:
             raise ConfigError(f"{where}: n_routed_experts ({e}) must be divisible by n_group ({g})")
         if e // g < 2:
@@ -105,7 +113,11 @@ class DeepseekV3Config:
                         pad_token_id=None)
 
 
-# Presets. Numbers from the released config.json files of DeepSeek-V2-Lite and DeepSeek-V3.
+# Presets. Shapes from the released config.json files of DeepSeek-V2-Lite and DeepSeek-V3,
+# including their YaRN context extension (factor 40); a pretraining config at 4K
+# overrides rope_parameters to plain RoPE, as DeepSeek pretrained (see ds_configs/128node.json).
+# deepseek-v2-lite is V2-Lite's shape with this recipe's V3 router (sigmoid scores and
+# a correction bias; V2 used softmax and greedy top-k).
 PRESETS = {
     # A CPU step in well under a second; all layers dense (MoE: see README).
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,

@@ -154,3 +154,53 @@ def test_missing_and_invalid_json(tmp_path):
     bad.write_text('{"train_batch_size": 8,\n "seekspeed": {,}}')
     with pytest.raises(ConfigError, match=r"bad.json:2:\d+: invalid JSON"):
         load_config(str(bad), world_size=1)
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda c: c.update(train_micro_batch_size_per_gpu="4"), "train_micro_batch_size_per_gpu must be a positive"),
+    (lambda c: c["zero_optimization"].update(stagee=1), "DeepSpeed rejects the config"),
+    (lambda c: c["pipeline"].update(stage=2), "pipeline.stage is not a DeepSpeed pipeline key (did you mean 'stages'?)"),
+    (lambda c: c["pipeline"].update(activation_checkpoint_interval="1"), "activation_checkpoint_interval must be"),
+    (lambda c: c.update(pipeline=None), "'pipeline' must be an object"),
+    (lambda c: c.update(scheduler=[]), "'scheduler' must be an object"),
+    (lambda c: c["zero_optimization"].update(stage="1"), "stage '1' cannot be used"),
+    (lambda c: c["seekspeed"].update(recipe=None), "seekspeed.recipe: expected an object"),
+    (lambda c: c["seekspeed"]["checkpoint"].update(dir=""), "must be a path or null"),
+])
+def test_deepspeed_and_section_mistakes_are_one_line(tmp_path, mutate, expected):
+    assert expected in _error(tmp_path, mutate)
+
+
+def test_top_level_key_meant_for_a_section_warns(tmp_path):
+    cfg = load_config(_write(tmp_path, lambda c: c.update(grad_accum_dtype="fp32")), world_size=4)
+    assert len(cfg.warnings) == 1 and "'grad_accum_dtype'" in cfg.warnings[0]
+
+
+def test_checkpoint_override_on_a_null_section(tmp_path):
+    path = _write(tmp_path, lambda c: c["seekspeed"].update(checkpoint=None))
+    with pytest.raises(ConfigError, match="expected an object"):
+        load_config(path, world_size=4)
+    cfg = load_config(_write(tmp_path, lambda c: c["seekspeed"].pop("checkpoint")), world_size=4,
+                      overrides={"checkpoint.dir": "x"})
+    assert cfg.section.checkpoint.dir == "x"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 64}},
+     "yarn needs factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "10000"}}, "rope_theta must be a positive number"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "original_max_position_embeddings": 64, "truncate": "false"}}, "truncate must be true"),
+    ({"initializer_range": -1.0}, "initializer_range must be positive"),
+    ({"n_shared_experts": -1}, "n_shared_experts must be >= 0"),
+])
+def test_recipe_value_errors(overrides, expected):
+    from recipes import deepseek_v3
+    with pytest.raises(ConfigError, match=expected):
+        deepseek_v3.make_config("tiny", overrides)
+
+
+def test_partition_method_is_checked_before_launch(tmp_path, capsys):
+    assert "matches no layer" in _main_error(tmp_path, capsys, lambda c: c["pipeline"].update(partition="type:Foo"))
+    assert "not a DeepSpeed partition method" in _main_error(
+        tmp_path, capsys, lambda c: c["pipeline"].update(partition="balanced"))

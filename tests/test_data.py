@@ -53,13 +53,30 @@ def test_formats_pack_the_same_token_stream(tmp_path, fmt):
     np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])
 
 
-def test_shards_hold_contiguous_document_ranges(tmp_path):
-    source = _write_jsonl(tmp_path / "c.jsonl", DOCS)
-    parts = [packed_sequences(_data(source, seq_len=7), ByteTokenizer(), vocab_size=512, shard=s, num_shards=3)
-             for s in range(3)]
-    assert all(len(p) for p in parts)
-    np.testing.assert_array_equal(parts[0].reshape(-1)[:20], _stream(DOCS[:4])[:20])
-    np.testing.assert_array_equal(parts[1].reshape(-1)[:20], _stream(DOCS[4:8])[:20])
+def test_shards_are_contiguous_balanced_and_cover_the_corpus(tmp_path):
+    from ds_ext.data.packing import _balanced_range
+    import datasets
+    docs = [f"doc {i} " + "x" * (10 * (i % 5) + 1) for i in range(40)]
+    ds = datasets.Dataset.from_dict({"text": docs})
+    ranges = [_balanced_range(ds, "text", shard=s, num_shards=3) for s in range(3)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(docs)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))            # contiguous, disjoint, in order
+    chars = [sum(len(d) for d in docs[a:b]) for a, b in ranges]
+    assert max(chars) - min(chars) <= max(len(d) for d in docs), chars      # balanced to within one document
+    source = _write_jsonl(tmp_path / "c.jsonl", docs)
+    rows = packed_sequences(_data(source, seq_len=7), ByteTokenizer(), vocab_size=512, shard=1, num_shards=3)
+    a, b = ranges[1]
+    np.testing.assert_array_equal(rows.reshape(-1), _stream(docs[a:b])[:rows.size])
+
+
+def test_skewed_corpus_is_balanced_or_refused(tmp_path):
+    docs = ["short"] * 9 + ["y" * 100_000]
+    source = _write_jsonl(tmp_path / "skew.jsonl", docs)
+    with pytest.raises(DataError, match="shard 2 .* gets no documents"):
+        packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=2, num_shards=3)
+    # two shards: the long document alone on one, the short ones on the other
+    short = packed_sequences(_data(source, seq_len=4), ByteTokenizer(), vocab_size=512, shard=0, num_shards=2)
+    assert len(short) == len(_stream(docs[:9])) // 5
 
 
 def test_batches_are_shifted_deterministic_and_resumable(tmp_path):
@@ -72,9 +89,10 @@ def test_batches_are_shifted_deterministic_and_resumable(tmp_path):
     for i in range(17, 25):
         xb, yb = next(b)
         assert (xb == first[i][0]).all() and (yb == first[i][1]).all()
-    epoch0 = {int(t[0, 0]) for t, _ in first[:10]}
-    assert len(epoch0) == 10       # ... no row repeats within an epoch
-    assert [int(t[0, 0]) for t, _ in first[:10]] != [int(t[0, 0]) for t, _ in first[10:20]]
+    epoch0 = [tuple(row.tolist()) for t, _ in first[:10] for row in t]
+    assert len(set(epoch0)) == 40                           # every row exactly once per epoch
+    epoch1 = [tuple(row.tolist()) for t, _ in first[10:20] for row in t]
+    assert sorted(epoch1) == sorted(epoch0) and epoch1 != epoch0   # same rows, new order
 
 
 def test_local_transformers_tokenizer(tmp_path):
@@ -105,6 +123,13 @@ def test_corpus_smaller_than_one_sequence(tmp_path):
         packed_sequences(_data(source, seq_len=64), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
 
 
+def test_max_documents_counts_non_empty_documents(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", ["", DOCS[0], "", DOCS[1], DOCS[2]])
+    rows = packed_sequences(_data(source, seq_len=4, max_documents=2), ByteTokenizer(), vocab_size=512, shard=0,
+                            num_shards=1)
+    assert rows.size == len(_stream(DOCS[:2])) // 5 * 5
+
+
 def test_wrong_text_field(tmp_path):
     source = _write_jsonl(tmp_path / "c.jsonl", DOCS, field="content")
     with pytest.raises(ConfigError, match="'text' is not a column"):
@@ -121,6 +146,8 @@ def test_unreadable_json_is_a_data_error(tmp_path):
 def test_stdlib_demo_corpus_is_offline_and_cached():
     path = stdlib_corpus()
     assert path.exists() and path.stat().st_size > 1_000_000
+    stamp = (path.stat().st_ino, path.stat().st_mtime_ns)
     assert stdlib_corpus() == path
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == stamp      # reused, not rebuilt
     first = json.loads(path.open().readline())
     assert set(first) == {"text", "path"} and first["path"].endswith(".py")

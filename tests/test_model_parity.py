@@ -83,3 +83,35 @@ def test_meta_parameter_counts_equal_transformers(preset, expected):
                                   schedule="dualpipev", partition_method=deepseek_v3.DEFAULT_PARTITION)
     assert rows[0]["unique_total"] == hf_count == expected
     assert sum(r["params"] for r in rows) == expected   # untied: every layer on exactly one rank
+
+
+@pytest.mark.parametrize("case", ["q_lora+yarn", "moe"])
+def test_gradients_match_transformers(case):
+    config, hf, ours = _pair(CASES[case])
+    ids = torch.randint(0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3))
+    hf(input_ids=ids, labels=ids).loss.backward()
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ours.loss_fn(ours(ids), labels).backward()
+    from recipes.layers.hf import hf_to_pipeline_key
+    ours_params = dict(ours.named_parameters())
+    compared = 0
+    for name, p in hf.named_parameters():
+        target = hf_to_pipeline_key(name, num_hidden_layers=config.num_hidden_layers,
+                                    tie_word_embeddings=config.tie_word_embeddings)
+        if target is None:
+            continue
+        mine = ours_params[target].grad
+        assert mine is not None and p.grad is not None, name
+        assert (mine - p.grad).abs().max().item() <= 1e-5, name
+        compared += 1
+    assert compared == len(ours_params)
+
+
+def test_router_bias_stays_fp32_under_deepspeed_bf16():
+    """DeepSpeed's own keep-in-fp32 rule finds every MoE routing bias of the recipe."""
+    from deepspeed.runtime.keep_in_fp32 import buffers_to_keep_in_fp32, keep_in_fp32_pattern
+    config = deepseek_v3.make_config("tiny", MOE)
+    model = SequentialReference(deepseek_v3.layer_specs(config, seed=0))
+    pattern = keep_in_fp32_pattern(model, "auto", torch.bfloat16)
+    kept = buffers_to_keep_in_fp32(model, pattern)
+    assert len(kept) == config.num_moe_layers() == 3

@@ -57,23 +57,25 @@ def test_deepspeed_launcher_four_ranks(tmp_path):
 
 
 def _trainer_rank(argv):
+    """launch/train.py's main() on one harness rank: (exit code, stdout, stderr)."""
     from ds_ext import trainer
     import io
     import contextlib
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = trainer.main(argv)
-    return rc, buf.getvalue()
+    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.multirank
-def test_resume_continues_the_same_trajectory(tmp_path):
-    cfg = _config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["checkpoint"].update(interval_steps=3))
+@pytest.mark.parametrize("config", ["tiny_cpu.json", "tiny_dualpipev_cpu.json"])
+def test_resume_continues_the_same_trajectory(tmp_path, config):
+    cfg = _config(tmp_path, config, lambda c: c["seekspeed"]["checkpoint"].update(interval_steps=3))
     full, sfull = tmp_path / "full", tmp_path / "full.json"
     res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(full),
                            "--summary-json", str(sfull)],))
-    assert [rc for rc, _ in res] == [0, 0], res
+    assert [r[0] for r in res] == [0, 0], res
     # a run that stopped after step 3: its checkpoint directory as it was then
     part = tmp_path / "part"
     part.mkdir()
@@ -83,12 +85,37 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(part), "--resume",
                            "--summary-json", str(spart)],))
-    assert [rc for rc, _ in res] == [0, 0], res
+    assert [r[0] for r in res] == [0, 0], res
     assert "resumed from" in res[0][1]
     a, b = json.loads(sfull.read_text()), json.loads(spart.read_text())
     assert b["start_step"] == 3 and b["steps"] == 3
     np.testing.assert_allclose(b["losses"], a["losses"][3:], rtol=1e-6, atol=0)
     assert (part / "latest").read_text().strip() == "global_step6"
+
+    # resuming with another batch layout would silently replay or skip data: refused
+    changed = json.loads(open(cfg).read())
+    changed["train_micro_batch_size_per_gpu"] = 2
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(changed))
+    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                    args=(["--deepspeed", str(other), "--steps", "6", "--checkpoint-dir", str(full), "--resume"],))
+    assert [r[0] for r in res] == [2, 2], res
+    lines = res[0][2].strip().splitlines()
+    assert len(lines) == 1 and "micro_batch 4 -> 2" in lines[0], res[0][2]
+
+
+@pytest.mark.multirank
+def test_data_failure_on_every_rank_is_reported_once(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet PAR1")
+    cfg = _config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(source=str(bad)))
+    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                    args=(["--deepspeed", cfg, "--checkpoint-dir", str(tmp_path / "ckpt")],))
+    assert [r[0] for r in res] == [2, 2], res
+    lines = res[0][2].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error (ranks 0, 1): cannot load seekspeed.data.source"), lines
+    assert res[1][2] == ""
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.e2e
@@ -139,7 +166,7 @@ def test_bf16_with_fp32_accumulation_tracks_fp32(tmp_path):
         res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
                         args=(["--deepspeed", cfg, "--steps", "5", "--checkpoint-dir", str(tmp_path / name),
                                "--summary-json", str(summary)],))
-        assert [rc for rc, _ in res] == [0, 0], res
+        assert [r[0] for r in res] == [0, 0], res
         losses[name] = json.loads(summary.read_text())["losses"]
     diff = np.abs(np.array(losses["bf16"]) - np.array(losses["fp32"]))
     assert diff.max() < 0.02 and diff.max() > 0, losses

@@ -12,23 +12,30 @@ from .tokenizer import _check_ids
 def packed_sequences(data, tokenizer, *, vocab_size, shard, num_shards):
     """This data-parallel shard's documents, tokenised with an end-of-document token
     after each and cut into rows of ``seq_len + 1`` tokens (inputs plus the shifted
-    targets). Documents are sharded contiguously, before tokenisation, so each rank
-    only tokenises its own part."""
+    targets). Documents are sharded contiguously and balanced by characters before
+    tokenisation, so each rank only tokenises its own part (it still reads and filters
+    the whole corpus). Tokens are held in memory as int32."""
     ds, field = load_documents(data)
     ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t) for t in batch[field]], batched=True,
                    keep_in_memory=True)
     if len(ds) == 0:
         raise DataError(f"the corpus {data.source} has no non-empty documents in column {field!r}: "
                         f"add data or fix seekspeed.data.text_field")
+    if data.max_documents is not None:
+        ds = ds.select(range(min(data.max_documents, len(ds))))
     if len(ds) < num_shards:
         raise DataError(f"the corpus {data.source} has {len(ds)} documents, fewer than the {num_shards} "
                         f"data-parallel replicas that each need a shard: add documents or use fewer replicas")
-    ds = ds.shard(num_shards=num_shards, index=shard, contiguous=True)
+    start, stop = _balanced_range(ds, field, shard=shard, num_shards=num_shards)
+    if start == stop:
+        raise DataError(f"data-parallel shard {shard} of {data.source} gets no documents (a few documents hold "
+                        f"most of the text): add documents or use fewer replicas")
+    ds = ds.select(range(start, stop))
     tokens = ds.map(lambda batch: {"input_ids": tokenizer.encode_documents(batch[field])}, batched=True,
                     num_proc=data.num_proc if data.num_proc > 1 else None, remove_columns=ds.column_names,
                     keep_in_memory=True)
     flat = tokens.data.column("input_ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    flat = flat.astype(np.int64)
+    flat = flat.astype(np.int32)
     _check_ids(flat, vocab_size)
     row = data.seq_len + 1
     rows = len(flat) // row
@@ -36,6 +43,17 @@ def packed_sequences(data, tokenizer, *, vocab_size, shard, num_shards):
         raise DataError(f"data-parallel shard {shard} of {data.source} has {len(flat)} tokens, fewer than one "
                         f"sequence of seq_len + 1 = {row}: add data or lower seekspeed.data.seq_len")
     return flat[:rows * row].reshape(rows, row)
+
+
+def _balanced_range(ds, field, *, shard, num_shards):
+    """Contiguous documents [start, stop) of ``shard``, cut so that every shard gets
+    about the same number of characters (a document goes where its middle falls)."""
+    import pyarrow.compute as pc
+    lengths = pc.utf8_length(ds.with_format("arrow")[field]).to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(lengths)
+    owner = np.minimum((num_shards * (ends - lengths / 2) / ends[-1]).astype(np.int64), num_shards - 1)
+    docs = np.flatnonzero(owner == shard)
+    return (int(docs[0]), int(docs[-1]) + 1) if len(docs) else (0, 0)
 
 
 class PackedBatches:
@@ -67,5 +85,5 @@ class PackedBatches:
         epoch, index = divmod(self.position, self.per_epoch)
         rows = self._epoch_order(epoch)[index * self.micro_batch:(index + 1) * self.micro_batch]
         self.position += 1
-        batch = self.sequences[rows]
+        batch = self.sequences[rows].long()
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()

@@ -43,13 +43,13 @@ def stdlib_corpus(max_bytes=DEMO_MAX_BYTES):
                     continue
                 f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
                 total += len(text)
+        if total == 0:
+            raise DataError(f"no readable .py files under {root}: set seekspeed.data.source to a local corpus")
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    if total == 0:
-        raise DataError(f"no readable .py files under {root}: set seekspeed.data.source to a local corpus")
     return out
 
 
@@ -61,9 +61,10 @@ def _format_of(path, fmt):
             return "saved"
         formats = {_EXTENSIONS.get(p.suffix) for p in path.iterdir() if p.is_file()} - {None}
         if len(formats) != 1:
+            found = sorted(formats) or "no .txt/.md/.json/.jsonl/.parquet files at its top level"
             raise ConfigError(f"seekspeed.data.source {path}: cannot tell the format of this directory "
-                              f"(found {sorted(formats) or 'no .txt/.json/.jsonl/.parquet files'}); "
-                              f"set seekspeed.data.format")
+                              f"(found {found}); files must sit directly in it, all of one format "
+                              f"(subdirectories are not read)")
         return formats.pop()
     if path.suffix not in _EXTENSIONS:
         raise ConfigError(f"seekspeed.data.source {path}: unknown extension {path.suffix!r}; "
@@ -86,6 +87,8 @@ def load_documents(data):
     """The configured documents as a ``datasets.Dataset`` with a text column."""
     import datasets
     datasets.disable_progress_bars()
+    # datasets logs a failed read before raising it; we report it once, in one line
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     fmt, path = resolve_source(data)
     text_field = data.text_field
     if path is None:
@@ -112,6 +115,4 @@ def load_documents(data):
     if text_field not in ds.column_names:
         raise ConfigError(f"seekspeed.data.text_field {text_field!r} is not a column of {path} "
                           f"(columns: {ds.column_names})")
-    if data.max_documents is not None:
-        ds = ds.select(range(min(data.max_documents, len(ds))))
     return ds, text_field

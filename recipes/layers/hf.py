@@ -44,3 +44,22 @@ def load_hf_state_dict(module, hf_state_dict, config):
         raise KeyError(f"no transformers weight for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     module.load_state_dict(mapped, strict=True)
     return len(mapped)
+
+
+def copy_into_transformers(hf_model, state_dict, config):
+    """The other direction: copy a recipe state dict (PipelineModule keys) into a
+    transformers DeepseekV3ForCausalLM. Returns the number of tensors copied."""
+    import torch
+    own = hf_model.state_dict()
+    copied = 0
+    with torch.no_grad():
+        for key, tensor in own.items():
+            source = hf_to_pipeline_key(key, num_hidden_layers=config.num_hidden_layers,
+                                        tie_word_embeddings=config.tie_word_embeddings)
+            if source is None:
+                continue
+            if source not in state_dict:
+                raise KeyError(f"{key}: no {source} in the recipe's state dict")
+            tensor.copy_(state_dict[source])
+            copied += 1
+    return copied

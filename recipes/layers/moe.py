@@ -16,6 +16,9 @@ from .mlp import ACTIVATIONS, SwiGLU
 
 
 class TopkRouter(nn.Module):
+    # DeepSpeed keeps buffers named here in fp32 when training in bf16/fp16
+    # (deepspeed/runtime/keep_in_fp32.py), as transformers' DeepseekV3 asks for.
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
 
     def __init__(self, config):
         super().__init__()

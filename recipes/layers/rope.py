@@ -33,8 +33,20 @@ def check_rope_parameters(rope_parameters, *, where="rope_parameters"):
                           f"allowed: {sorted(ROPE_KEYS[rope_type])}")
     if "rope_theta" not in rope_parameters:
         raise ConfigError(f"{where}.rope_theta is missing: set it (DeepSeek-V3 uses 10000.0)")
-    if rope_type == "yarn" and "original_max_position_embeddings" not in rope_parameters:
-        raise ConfigError(f"{where}: yarn needs original_max_position_embeddings (DeepSeek-V3: 4096)")
+    if rope_type == "yarn":
+        for key, example in (("factor", 40.0), ("original_max_position_embeddings", 4096)):
+            if key not in rope_parameters:
+                raise ConfigError(f"{where}: yarn needs {key} (DeepSeek-V3: {example})")
+    for key, value in rope_parameters.items():
+        if key == "rope_type":
+            continue
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}.truncate must be true or false, got {value!r}")
+        elif value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0
+                                    or (value == 0 and key in ("rope_theta", "factor",
+                                                               "original_max_position_embeddings"))):
+            raise ConfigError(f"{where}.{key} must be a positive number, got {value!r}")
     return rope_parameters
 
 
