@@ -6,6 +6,7 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
     "seekspeed": {
       "recipe":     {"name": "deepseek_v3", "preset": "tiny", "overrides": {...}},
       "schedule":   "1f1b" | "dualpipev",
+      "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
       "checkpoint": {"dir": "runs/tiny", "interval_steps": 100}
@@ -89,9 +90,23 @@ class CheckpointSection:
 
 
 @dataclass(kw_only=True)
+class MoeSection:
+    # auxiliary-loss-free balancing: bias step per optimizer step (DeepSeek-V3: 0.001; 0 = off)
+    bias_update_speed: float = 0.001
+    # sequence-wise balance loss weight (DeepSeek-V3: 0.0001; 0 = off)
+    balance_loss_alpha: float = 0.0001
+
+    def check(self, where):
+        for name in ("bias_update_speed", "balance_loss_alpha"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
 class SeekspeedSection:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     schedule: str = "1f1b"
+    moe: MoeSection = field(default_factory=MoeSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -311,6 +326,9 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
+    if section.moe.balance_loss_alpha > 0 and ds.get("fp16", {}).get("enabled", False):
+        raise ConfigError("seekspeed.moe.balance_loss_alpha > 0 is not supported with fp16 (its gradient would miss "
+                          "the loss scale): use bf16 or fp32, or set balance_loss_alpha to 0")
 
     known = recorder.seen | _TOP_LEVEL_KEYS | {SECTION}
     warnings = []

@@ -29,13 +29,16 @@ class Progress:
         self.step_times = []
         self._prev = self.t0
 
-    def update(self, step, loss, *, lr=None):
+    def is_log_step(self, step):
+        return step % self.log_interval == 0 or step == self.total_steps or step == self.start_step + 1
+
+    def update(self, step, loss, *, lr=None, extra=None):
         """Record optimizer step ``step`` (1-based) and print every ``log_interval`` steps."""
         now = time.perf_counter()
         self.step_times.append(now - self._prev)
         self._prev = now
         self.losses.append((step, loss))
-        if not (step % self.log_interval == 0 or step == self.total_steps or step == self.start_step + 1):
+        if not self.is_log_step(step):
             return
         interval = max(now - self.last_t, 1e-9)
         tok_s = (step - self.last_step) * self.tokens_per_step / interval
@@ -44,9 +47,10 @@ class Progress:
         self.last_t, self.last_step = now, step
         if self.enabled:
             lr_part = f" | lr {lr:.2e}" if lr is not None else ""
+            extra_part = f" | {extra}" if extra else ""
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | "
-                  f"{tok_s:,.0f} tok/s{lr_part} | elapsed {fmt_duration(now - self.t0)} | eta {fmt_duration(eta)}",
-                  file=self.out, flush=True)
+                  f"{tok_s:,.0f} tok/s{lr_part} | elapsed {fmt_duration(now - self.t0)} | eta {fmt_duration(eta)}"
+                  f"{extra_part}", file=self.out, flush=True)
 
     def summary(self):
         wall = time.perf_counter() - self.t0

@@ -15,6 +15,7 @@ import time
 from .config import load_config, print_warnings
 from .errors import ConfigError, DataError, SeekspeedError
 from .progress import Progress, fmt_duration, peak_rss_mib
+from recipes.layers import moe
 
 
 def parse_args(argv=None):
@@ -227,6 +228,9 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                   seed=s.train.seed)
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
+    has_moe = model_config.num_moe_layers() > 0
+    if has_moe:
+        moe.configure_balancing(model, alpha=s.moe.balance_loss_alpha, grad_scale=1.0 / layout.grad_accum)
 
     batches, error = None, None
     if stage in data_stages(s.schedule, layout.pipe_stages):
@@ -266,9 +270,18 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
     saved = []
+    moe_stats = None
     for step in range(start + 1, total + 1):
         loss = engine.train_batch(batches).item()
-        progress.update(step, loss, lr=engine.get_lr()[0])
+        extra = None
+        if has_moe:
+            loads = moe.update_expert_biases(engine.module, speed=s.moe.bias_update_speed,
+                                             group=grid.get_data_parallel_group())
+            balance = moe.take_balance_loss(engine.module)
+            if progress.is_log_step(step):
+                moe_stats = _moe_stats(control, loads if dp_rank == 0 else None, balance if dp_rank == 0 else None)
+                extra = moe_stats["line"]
+        progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
         if ckpt_dir and s.checkpoint.interval_steps and step % s.checkpoint.interval_steps == 0 and step < total:
             save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
@@ -278,6 +291,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     summary.update(peak_rss_mib=[round(r, 1) for r in control.gather(peak_rss_mib())], config=cfg.path,
                    layout=vars(layout) | {"tokens_per_step": layout.tokens_per_step},
                    checkpoints=[os.path.join(ckpt_dir, f"global_step{n}") for n in saved] if ckpt_dir else [])
+    if moe_stats is not None:
+        summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:
         _print_summary(summary)
         if args.summary_json:
@@ -285,6 +300,22 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _moe_stats(control, loads, balance):
+    """Gather each stage's per-expert loads (summed over its replicas) and balance loss;
+    the line shows the worst layer's max/mean expert load."""
+    gathered = control.gather((loads, balance))
+    per_layer, balance_total = {}, None
+    for stage_loads, stage_balance in gathered:
+        per_layer.update(stage_loads or {})
+        if stage_balance is not None:
+            balance_total = (balance_total or 0.0) + stage_balance
+    worst = max((max(l) / (sum(l) / len(l)) for l in per_layer.values() if sum(l) > 0), default=1.0)
+    line = f"moe max/mean expert load {worst:.2f}"
+    if balance_total is not None:
+        line += f" | balance loss {balance_total:.2e}"
+    return {"line": line, "max_over_mean_load": worst, "expert_load": per_layer, "balance_loss": balance_total}
 
 
 class _Reported(Exception):

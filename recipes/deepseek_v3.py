@@ -123,6 +123,12 @@ PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, max_position_embeddings=1024, q_lora_rank=64, kv_lora_rank=32,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=4),
+    # tiny with DeepSeekMoE layers after the first: 8 routed experts in 4 groups.
+    "tiny-moe": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                     num_attention_heads=4, max_position_embeddings=1024, q_lora_rank=64, kv_lora_rank=32,
+                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=1,
+                     moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
     "deepseek-v2-lite": dict(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
         max_position_embeddings=163840, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -204,7 +210,7 @@ def check_stages(config, *, stages, schedule):
 def _main():
     import argparse
     from ds_ext.pipe import SCHEDULES
-    from recipes.layers.pipe import stage_parameter_counts
+    from recipes.layers.pipe import activated_parameters, stage_parameter_counts
     parser = argparse.ArgumentParser(description="Parameters per pipeline rank, built on the meta device.")
     parser.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     parser.add_argument("--stages", type=int, default=16)
@@ -220,7 +226,9 @@ def _main():
         ranges = ", ".join(f"[{a},{b})" for a, b in row["layer_ranges"])
         print(f"{row['rank']:>4}  {ranges:<24} {row['params']:>16,}  {row['params'] * 2 / 2**30:>9.2f} GiB")
     unique = rows[0]["unique_total"]
-    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B)")
+    activated = activated_parameters(layer_specs(config, seed=0))
+    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B); activated per token: {activated:,} "
+          f"({activated / 1e9:.2f} B)")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def _trainer_rank(argv):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("config", ["tiny_cpu.json", "tiny_dualpipev_cpu.json"])
+@pytest.mark.parametrize("config", ["tiny_cpu.json", "tiny_dualpipev_cpu.json", "tiny_moe_cpu.json"])
 def test_resume_continues_the_same_trajectory(tmp_path, config):
     cfg = _config(tmp_path, config, lambda c: c["seekspeed"]["checkpoint"].update(interval_steps=3))
     full, sfull = tmp_path / "full", tmp_path / "full.json"
@@ -89,7 +89,11 @@ def test_resume_continues_the_same_trajectory(tmp_path, config):
     assert "resumed from" in res[0][1]
     a, b = json.loads(sfull.read_text()), json.loads(spart.read_text())
     assert b["start_step"] == 3 and b["steps"] == 3
+    # equal losses after the restart need the weights, optimizer, scheduler, data position
+    # and (MoE) the routers' correction biases all restored
     np.testing.assert_allclose(b["losses"], a["losses"][3:], rtol=1e-6, atol=0)
+    if "moe" in config:
+        assert a["moe"]["expert_load"] and b["moe"]["expert_load"] == a["moe"]["expert_load"]
     assert (part / "latest").read_text().strip() == "global_step6"
 
     # resuming with another batch layout would silently replay or skip data: refused

@@ -143,6 +143,25 @@ def count_parameters(spec):
     return sum(p.numel() for p in module.parameters())
 
 
+def activated_parameters(specs):
+    """Parameters one token passes through: everything but the routed experts it is
+    not sent to and the input embedding table (a lookup, not a matmul; the convention
+    behind DeepSeek-V3's "37B activated"). Built on the meta device."""
+    total = 0
+    for spec in specs:
+        with torch.device("meta"):
+            module = spec.build()
+        if isinstance(module, EmbeddingPipe) and getattr(spec, "forward_fn", None) is None:
+            continue
+        for sub in module.modules():
+            if isinstance(sub, DeepSeekMoE):
+                routed = sum(p.numel() for p in sub.experts.parameters())
+                k, e = sub.gate.top_k, sub.gate.num_experts
+                total -= routed - routed * k // e
+        total += sum(p.numel() for p in module.parameters())
+    return total
+
+
 def stage_parameter_counts(specs, *, stages, schedule, partition_method):
     """Per pipeline rank: its layer ranges and parameter count, without allocating."""
     from ds_ext.pipe import virtual_stages
