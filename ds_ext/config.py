@@ -107,6 +107,8 @@ class SeekspeedSection:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     schedule: str = "1f1b"
     moe: MoeSection = field(default_factory=MoeSection)
+    # a transformers-format directory (config.json + safetensors) to start from
+    init_from: str | None = None
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

@@ -5,6 +5,7 @@ Runs under the deepspeed launcher, torchrun, or plain ``python`` (one rank).
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -78,6 +79,9 @@ def validate(args, *, world_size):
                           f"{model_config.max_position_embeddings}: lower seq_len or raise it in recipe.overrides")
     tokenizer = load_tokenizer(s.data.tokenizer, vocab_size=model_config.vocab_size)
     resolve_source(s.data)
+    if s.init_from is not None:
+        from .hf_io import check_hf_dir
+        check_hf_dir(s.init_from, model_config)
     if args.resume and not os.path.isfile(os.path.join(s.checkpoint.dir or "", "latest")):
         raise ConfigError(f"--resume: no checkpoint in {s.checkpoint.dir!r} (no 'latest' file): "
                           f"run without --resume, or set seekspeed.checkpoint.dir / --checkpoint-dir")
@@ -228,6 +232,16 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                   seed=s.train.seed)
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
+    init_tensors, error = 0, None
+    if s.init_from is not None and not args.resume:
+        from .hf_io import load_hf_into_module
+        try:
+            init_tensors = load_hf_into_module(model, s.init_from, model_config)
+        except SeekspeedError as exc:
+            error = exc
+    control.stop_if_any_failed(error, rank=rank)
+    if s.init_from is not None and not args.resume and rank == 0:
+        print(f"init_from: {s.init_from} (each stage read only its own layers)", flush=True)
     has_moe = model_config.num_moe_layers() > 0
     if has_moe:
         moe.configure_balancing(model, alpha=s.moe.balance_loss_alpha, grad_scale=1.0 / layout.grad_accum)
@@ -264,7 +278,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         print(f"nothing to do: the checkpoint is at step {start} and seekspeed.train.steps is {total}", flush=True)
 
     def save(step):
-        engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": _resume_state(cfg)})
+        meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config)}
+        engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta})
         saved.append(step)
 
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
@@ -291,6 +306,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     summary.update(peak_rss_mib=[round(r, 1) for r in control.gather(peak_rss_mib())], config=cfg.path,
                    layout=vars(layout) | {"tokens_per_step": layout.tokens_per_step},
                    checkpoints=[os.path.join(ckpt_dir, f"global_step{n}") for n in saved] if ckpt_dir else [])
+    if s.init_from is not None and not args.resume:
+        summary["init_from_tensors_per_rank"] = control.gather(init_tensors)
     if moe_stats is not None:
         summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:

@@ -28,6 +28,23 @@ def hf_to_pipeline_key(key, *, num_hidden_layers, tie_word_embeddings):
     raise KeyError(f"{key}: not a DeepseekV3ForCausalLM weight this recipe knows")
 
 
+def pipeline_to_hf_key(key, *, num_hidden_layers, tie_word_embeddings):
+    """The transformers key of a PipelineModule key (the inverse of hf_to_pipeline_key)."""
+    if key.startswith("tied_modules.embed."):
+        return "model." + key[len("tied_modules.embed."):]
+    position, _, name = key.partition(".")
+    position = int(position)
+    if position == 0:
+        return f"model.{name}"
+    if position <= num_hidden_layers:
+        return f"model.layers.{position - 1}.{name}"
+    if position == num_hidden_layers + 1:
+        return f"model.{name}"
+    if position == num_hidden_layers + 2 and not tie_word_embeddings:
+        return name
+    raise KeyError(f"{key}: not a layer of a {num_hidden_layers}-layer recipe")
+
+
 def load_hf_state_dict(module, hf_state_dict, config):
     """Copy transformers weights into ``module`` (a PipelineModule holding any subset
     of the layers, or a SequentialReference). Every parameter and persistent buffer

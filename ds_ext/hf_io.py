@@ -1,0 +1,218 @@
+"""transformers-format import and export.
+
+Export reads a DeepSpeed pipeline checkpoint one layer file at a time and writes
+config.json plus safetensors shards that ``AutoModelForCausalLM.from_pretrained``
+loads. Import (``seekspeed.init_from``) fills a freshly built PipelineModule from
+such a directory, each rank reading only the tensors of the layers it holds.
+"""
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+# ---- what a checkpoint says about itself -------------------------------------------
+
+def checkpoint_tag_dir(ckpt_dir, tag=None):
+    if not os.path.isdir(ckpt_dir):
+        raise ConfigError(f"checkpoint directory {ckpt_dir} does not exist")
+    if tag is None:
+        latest = os.path.join(ckpt_dir, "latest")
+        if not os.path.isfile(latest):
+            raise ConfigError(f"{ckpt_dir} has no 'latest' file: pass --tag (one of "
+                              f"{sorted(d for d in os.listdir(ckpt_dir) if d.startswith('global_step')) or 'none'})")
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint {path} does not exist")
+    return path
+
+
+def checkpoint_model_config(tag_dir):
+    """(recipe name, recipe config dict) recorded by seekspeed in the checkpoint."""
+    states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not states:
+        raise ConfigError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint")
+    state = torch.load(states[0], map_location="cpu", weights_only=False)
+    meta = (state or {}).get("seekspeed") or {}
+    if "model_config" not in meta:
+        raise ConfigError(f"{tag_dir} was not written by seekspeed's trainer (no model config in it)")
+    return meta["recipe"], meta["model_config"]
+
+
+def layer_file(tag_dir, position):
+    """The layer file DeepSpeed's PipelineModule wrote for layer ``position`` (None if none)."""
+    found = sorted(glob.glob(os.path.join(tag_dir, f"layer_{position:02d}-model_*states.pt")))
+    return found[0] if found else None
+
+
+# ---- export ------------------------------------------------------------------------
+
+def _hf_name(position, name, config):
+    from recipes.layers.hf import pipeline_to_hf_key
+    key = f"{position}.{name}"
+    if position == 0 and config.tie_word_embeddings:
+        key = f"tied_modules.embed.{name}"
+    return pipeline_to_hf_key(key, num_hidden_layers=config.num_hidden_layers,
+                              tie_word_embeddings=config.tie_word_embeddings)
+
+
+class _ShardWriter:
+    """Writes tensors into safetensors shards of at most ``max_bytes`` each."""
+
+    def __init__(self, out_dir, max_bytes):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending, self.pending_bytes, self.files, self.weight_map, self.total = {}, 0, [], {}, 0
+
+    def add(self, name, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self):
+        from safetensors.torch import save_file
+        if not self.pending:
+            return
+        name = f"shard-{len(self.files):05d}.tmp"
+        save_file(self.pending, os.path.join(self.out_dir, name), metadata={"format": "pt"})
+        self.files.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self):
+        self.flush()
+        n = len(self.files)
+        if n == 1:
+            os.replace(os.path.join(self.out_dir, self.files[0][0]), os.path.join(self.out_dir, SINGLE))
+            return [SINGLE]
+        names = []
+        for i, (tmp, keys) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, tmp), os.path.join(self.out_dir, final))
+            self.weight_map.update({k: final for k in keys})
+            names.append(final)
+        with open(os.path.join(self.out_dir, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": self.weight_map}, f, indent=2)
+        return names
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=None, log=print):
+    """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint.
+    Nothing appears at ``out_dir`` unless the whole export succeeds."""
+    from recipes import get_recipe
+    from ds_ext.schema import from_dict
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"--out {out_dir} exists and is not empty: choose a new directory")
+    tag_dir = checkpoint_tag_dir(ckpt_dir, tag)
+    recipe_name, fields = checkpoint_model_config(tag_dir)
+    recipe = get_recipe(recipe_name)
+    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        writer = _ShardWriter(tmp, max_shard_bytes)
+        positions = config.num_hidden_layers + 3
+        saved_dtype = None
+        for position in range(positions):
+            path = layer_file(tag_dir, position)
+            if path is None:
+                if position == positions - 1 and config.tie_word_embeddings:
+                    continue   # the tied head's weight is the embedding's
+                raise ConfigError(f"{tag_dir}: no layer file for pipeline layer {position}: incomplete checkpoint")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            for name, tensor in state.items():
+                saved_dtype = saved_dtype or tensor.dtype
+                if dtype is not None and tensor.is_floating_point() and not name.endswith("e_score_correction_bias"):
+                    tensor = tensor.to(_DTYPES[dtype])
+                writer.add(_hf_name(position, name, config), tensor)
+            log(f"export: layer {position + 1}/{positions}")
+        files = writer.finish()
+        hf_config = config.to_hf_config()
+        hf_config.dtype = _DTYPES[dtype] if dtype else saved_dtype
+        hf_config.save_pretrained(tmp)
+        if os.path.exists(out_dir):   # an existing empty directory
+            _move_into(tmp, out_dir)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": out_dir, "files": files, "bytes": writer.total, "tag_dir": tag_dir}
+
+
+def _move_into(tmp, out_dir):
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    os.rmdir(tmp)
+
+
+# ---- import ------------------------------------------------------------------------
+
+def check_hf_dir(hf_dir, config, *, where="seekspeed.init_from"):
+    """The directory holds config.json and weights, and its config is this recipe's."""
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"{where} {hf_dir} does not exist")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where} {hf_dir} has no config.json: not a transformers model directory")
+    if not (os.path.isfile(os.path.join(hf_dir, INDEX)) or os.path.isfile(os.path.join(hf_dir, SINGLE))):
+        raise ConfigError(f"{where} {hf_dir} has neither {INDEX} nor {SINGLE}")
+    with open(path) as f:
+        theirs = json.load(f)
+    ours = config.to_hf_config().to_dict()
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace"]
+    diff = [f"{k} {theirs.get(k)!r} (recipe: {ours.get(k)!r})" for k in keys if theirs.get(k) != ours.get(k)]
+    if diff:
+        raise ConfigError(f"{where} {hf_dir} is another model: {'; '.join(diff)}; set recipe.overrides to match")
+
+
+def load_hf_into_module(module, hf_dir, config):
+    """Copy the tensors of ``module``'s own layers from ``hf_dir``; returns how many.
+    A missing or misshaped tensor is a ConfigError naming it and the expected shape."""
+    from safetensors import safe_open
+    from recipes.layers.hf import pipeline_to_hf_key
+    index_path = os.path.join(hf_dir, INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(hf_dir, SINGLE), framework="pt") as f:
+            weight_map = {k: SINGLE for k in f.keys()}
+    wanted = {}
+    for key, tensor in module.state_dict().items():
+        hf_key = pipeline_to_hf_key(key, num_hidden_layers=config.num_hidden_layers,
+                                    tie_word_embeddings=config.tie_word_embeddings)
+        if hf_key not in weight_map:
+            raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {list(tensor.shape)})")
+        wanted.setdefault(weight_map[hf_key], []).append((key, hf_key, tensor))
+    loaded = 0
+    with torch.no_grad():
+        for file, items in sorted(wanted.items()):
+            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
+                for key, hf_key, target in items:
+                    source = f.get_slice(hf_key)
+                    shape = list(source.get_shape())
+                    if shape != list(target.shape):
+                        raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} has shape {shape}, expected "
+                                          f"{list(target.shape)}")
+                    target.copy_(f.get_tensor(hf_key))
+                    loaded += 1
+    return loaded
