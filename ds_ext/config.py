@@ -103,10 +103,21 @@ class MoeSection:
 
 
 @dataclass(kw_only=True)
+class MtpSection:
+    # weight of the MTP loss (DeepSeek-V3: 0.3, later 0.1); used when the recipe has num_mtp_layers = 1
+    loss_weight: float = 0.3
+
+    def check(self, where):
+        if self.loss_weight < 0:
+            raise ConfigError(f"{where}.loss_weight must be >= 0, got {self.loss_weight}")
+
+
+@dataclass(kw_only=True)
 class SeekspeedSection:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     schedule: str = "1f1b"
     moe: MoeSection = field(default_factory=MoeSection)
+    mtp: MtpSection = field(default_factory=MtpSection)
     # a transformers-format directory (config.json + safetensors) to start from
     init_from: str | None = None
     data: DataSection = field(default_factory=DataSection)

@@ -59,12 +59,11 @@ def layer_file(tag_dir, position):
 # ---- export ------------------------------------------------------------------------
 
 def _hf_name(position, name, config):
-    from recipes.layers.hf import pipeline_to_hf_key
+    from recipes.layers.hf import embedding_is_tied, pipeline_to_hf_key
     key = f"{position}.{name}"
-    if position == 0 and config.tie_word_embeddings:
+    if position == 0 and embedding_is_tied(config):
         key = f"tied_modules.embed.{name}"
-    return pipeline_to_hf_key(key, num_hidden_layers=config.num_hidden_layers,
-                              tie_word_embeddings=config.tie_word_embeddings)
+    return pipeline_to_hf_key(key, config)
 
 
 class _ShardWriter:
@@ -126,14 +125,18 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
+        from recipes.layers.hf import positions as layout
+        pos = layout(config)
         writer = _ShardWriter(tmp, max_shard_bytes)
-        positions = config.num_hidden_layers + 3
+        positions = pos["head"] + 1
+        # tied layers that reuse the embedding have no file of their own
+        shared = {pos.get("mtp_embed")} | ({pos["head"]} if config.tie_word_embeddings else set())
         saved_dtype = None
         for position in range(positions):
             path = layer_file(tag_dir, position)
             if path is None:
-                if position == positions - 1 and config.tie_word_embeddings:
-                    continue   # the tied head's weight is the embedding's
+                if position in shared:
+                    continue
                 raise ConfigError(f"{tag_dir}: no layer file for pipeline layer {position}: incomplete checkpoint")
             state = torch.load(path, map_location="cpu", weights_only=True)
             for name, tensor in state.items():
@@ -198,8 +201,7 @@ def load_hf_into_module(module, hf_dir, config):
             weight_map = {k: SINGLE for k in f.keys()}
     wanted = {}
     for key, tensor in module.state_dict().items():
-        hf_key = pipeline_to_hf_key(key, num_hidden_layers=config.num_hidden_layers,
-                                    tie_word_embeddings=config.tie_word_embeddings)
+        hf_key = pipeline_to_hf_key(key, config)
         if hf_key not in weight_map:
             raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {list(tensor.shape)})")
         wanted.setdefault(weight_map[hf_key], []).append((key, hf_key, tensor))

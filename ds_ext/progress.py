@@ -16,7 +16,7 @@ def peak_rss_mib():
 
 class Progress:
 
-    def __init__(self, *, start_step, total_steps, tokens_per_step, log_interval, enabled, out=sys.stdout):
+    def __init__(self, *, start_step, total_steps, tokens_per_step, log_interval, enabled, out=None):
         self.start_step = start_step
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -50,7 +50,7 @@ class Progress:
             extra_part = f" | {extra}" if extra else ""
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | "
                   f"{tok_s:,.0f} tok/s{lr_part} | elapsed {fmt_duration(now - self.t0)} | eta {fmt_duration(eta)}"
-                  f"{extra_part}", file=self.out, flush=True)
+                  f"{extra_part}", file=self.out or sys.stdout, flush=True)
 
     def summary(self):
         wall = time.perf_counter() - self.t0

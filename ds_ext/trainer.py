@@ -229,7 +229,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                   partition_method=_partition_method(cfg.ds, recipe),
                                   activation_checkpoint_interval=cfg.ds.get("pipeline", {}).get(
                                       "activation_checkpoint_interval", 0),
-                                  seed=s.train.seed)
+                                  seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight)
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
     init_tensors, error = 0, None
@@ -285,18 +285,23 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
     saved = []
-    moe_stats = None
+    moe_stats, loss_parts = None, []
     for step in range(start + 1, total + 1):
         loss = engine.train_batch(batches).item()
         extra = None
+        parts = engine.agg_additional_losses
+        if parts and progress.is_log_step(step):
+            extra = " | ".join(f"{name} {float(value):.4f}" for name, value in parts.items())
         if has_moe:
             loads = moe.update_expert_biases(engine.module, speed=s.moe.bias_update_speed,
                                              group=grid.get_data_parallel_group())
             balance = moe.take_balance_loss(engine.module)
             if progress.is_log_step(step):
                 moe_stats = _moe_stats(control, loads if dp_rank == 0 else None, balance if dp_rank == 0 else None)
-                extra = moe_stats["line"]
+                extra = f"{extra} | {moe_stats['line']}" if extra else moe_stats["line"]
         progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
+        if parts:
+            loss_parts.append({name: float(value) for name, value in parts.items()})
         if ckpt_dir and s.checkpoint.interval_steps and step % s.checkpoint.interval_steps == 0 and step < total:
             save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
@@ -308,6 +313,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                    checkpoints=[os.path.join(ckpt_dir, f"global_step{n}") for n in saved] if ckpt_dir else [])
     if s.init_from is not None and not args.resume:
         summary["init_from_tensors_per_rank"] = control.gather(init_tensors)
+    if loss_parts:
+        summary["loss_parts"] = loss_parts
     if moe_stats is not None:
         summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:

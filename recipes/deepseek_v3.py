@@ -16,8 +16,8 @@ from ds_ext.errors import ConfigError
 from ds_ext.schema import from_dict
 from recipes.layers import rope
 from recipes.layers.mlp import ACTIVATIONS
-from recipes.layers.pipe import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, causal_lm_loss,
-                                 tied_lm_head)
+from recipes.layers.pipe import (CausalLMLoss, DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
+                                 MTPLayerPipe, mtp_next_embedding, tied_lm_head)
 
 
 @dataclass(kw_only=True)
@@ -53,6 +53,8 @@ class DeepseekV3Config:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # mtp: DeepSeek-V3's multi-token prediction module (0 = off, 1 = depth 1)
+    num_mtp_layers: int = 0
 
     def check(self, where="recipe"):
         positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -68,6 +70,9 @@ class DeepseekV3Config:
                 raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ConfigError(f"{where}.q_lora_rank must be positive or null (plain q_proj), got {self.q_lora_rank}")
+        if self.num_mtp_layers not in (0, 1):
+            raise ConfigError(f"{where}.num_mtp_layers must be 0 (off) or 1 (DeepSeek-V3's depth-1 MTP), "
+                              f"got {self.num_mtp_layers}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"{where}.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
         if self.hidden_act not in ACTIVATIONS:
@@ -109,8 +114,7 @@ class DeepseekV3Config:
             # transformers needs valid MoE fields even when every layer is dense
             fields.update(n_routed_experts=max(self.n_routed_experts, 2), n_group=1, topk_group=1,
                           num_experts_per_tok=1, moe_intermediate_size=max(self.moe_intermediate_size, 1))
-        return HFConfig(**fields, num_key_value_heads=self.num_attention_heads, num_mtp_layers=0,
-                        pad_token_id=None)
+        return HFConfig(**fields, num_key_value_heads=self.num_attention_heads, pad_token_id=None)
 
 
 # Presets. Shapes from the released config.json files of DeepSeek-V2-Lite and DeepSeek-V3,
@@ -158,23 +162,27 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
 
 
 def layer_specs(config, *, seed):
-    """The model as DeepSpeed layer specs: embedding, decoder layers, final norm, head.
+    """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final
+    norm, head.
 
     With tie_word_embeddings the embedding and the head are one TiedLayerSpec key, so
-    DeepSpeed keeps the matrix on both end stages and sums their gradients.
+    DeepSpeed keeps the matrix on both end stages and sums their gradients. The MTP
+    module shares the embedding the same way (and the head, which it calls after the
+    main head's input on the last stage).
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    if config.tie_word_embeddings:
-        specs = [TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, tied_weight_attr=["embed_tokens.weight"])]
-    else:
-        specs = [LayerSpec(EmbeddingPipe, config, seed=seed)]
+    mtp = config.num_mtp_layers > 0
+
+    def embed(**kw):
+        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=mtp,
+                             tied_weight_attr=["embed_tokens.weight"], **kw)
+
+    specs = [embed() if config.tie_word_embeddings or mtp else LayerSpec(EmbeddingPipe, config, seed=seed)]
     specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed) for i in range(config.num_hidden_layers)]
+    if mtp:
+        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(MTPLayerPipe, config, seed=seed)]
     specs.append(LayerSpec(FinalNormPipe, config))
-    if config.tie_word_embeddings:
-        specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, forward_fn=tied_lm_head,
-                                   tied_weight_attr=["embed_tokens.weight"]))
-    else:
-        specs.append(LayerSpec(LMHeadPipe, config, seed=seed))
+    specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
     return specs
 
 
@@ -182,7 +190,7 @@ DEFAULT_PARTITION = "type:DecoderLayerPipe"
 
 
 def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=DEFAULT_PARTITION,
-                   activation_checkpoint_interval=0, seed=1234):
+                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3):
     """The model as a DeepSpeed PipelineModule (DualPipeVModule for ``dualpipev``).
 
     Only the layers of this rank's stage(s) are built. Call after
@@ -193,9 +201,9 @@ def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", p
     check_stages(config, stages=stages, schedule=schedule)
     module_cls = pipeline_module_class(schedule)
     return module_cls(layers=layer_specs(config, seed=seed), num_stages=num_stages, topology=topology,
-                      loss_fn=causal_lm_loss, partition_method=partition_method,
+                      loss_fn=CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0), partition_method=partition_method,
                       activation_checkpoint_interval=activation_checkpoint_interval,
-                      checkpointable_layers=["DecoderLayerPipe"])
+                      checkpointable_layers=["DecoderLayerPipe", "MTPLayerPipe"])
 
 
 def check_stages(config, *, stages, schedule):

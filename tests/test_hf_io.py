@@ -15,6 +15,7 @@ import torch
 from ds_ext.errors import ConfigError
 from ds_ext.hf_io import check_hf_dir, export_hf, layer_file, load_hf_into_module
 from recipes import deepseek_v3
+from recipes.layers.hf import embedding_is_tied
 from recipes.layers.pipe import SequentialReference
 from tests.distributed import run_ranks
 from tests.test_train_e2e import _trainer_rank
@@ -50,11 +51,12 @@ def trained(tmp_path_factory):
 def _reference_from_layer_files(tag_dir, config):
     model = SequentialReference(deepseek_v3.layer_specs(config, seed=0))
     state = {}
-    for position in range(config.num_hidden_layers + 3):
+    from recipes.layers.hf import positions
+    for position in range(positions(config)["head"] + 1):
         path = layer_file(tag_dir, position)
         if path is None:
             continue
-        prefix = "tied_modules.embed." if position == 0 and config.tie_word_embeddings else f"{position}."
+        prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
         state.update({prefix + k: v for k, v in torch.load(path, weights_only=True).items()})
     model.load_state_dict(state)
     return model.eval()
@@ -100,7 +102,7 @@ def test_training_starts_from_a_transformers_directory(trained, tmp_path):
     from recipes.layers.hf import pipeline_to_hf_key
     hf_state = hf.state_dict()
     for key, value in ours.state_dict().items():
-        hf_key = pipeline_to_hf_key(key, num_hidden_layers=4, tie_word_embeddings=True)
+        hf_key = pipeline_to_hf_key(key, config)
         assert torch.equal(value, hf_state[hf_key]), key
 
 
@@ -110,7 +112,7 @@ def _small_hf_dir(tmp_path, mutate):
     config = deepseek_v3.make_config("tiny")
     model = SequentialReference(deepseek_v3.layer_specs(config, seed=0))
     from recipes.layers.hf import pipeline_to_hf_key
-    state = {pipeline_to_hf_key(k, num_hidden_layers=4, tie_word_embeddings=False): v.contiguous()
+    state = {pipeline_to_hf_key(k, config): v.contiguous()
              for k, v in model.state_dict().items()}
     mutate(state)
     d = tmp_path / "bad"
@@ -147,3 +149,16 @@ def test_other_model_and_bad_directories_are_refused(tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not empty"):
         export_hf(str(d), str(tmp_path / "full"))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"num_mtp_layers": 1},
+                                       {"num_mtp_layers": 1, "tie_word_embeddings": True}])
+def test_names_round_trip(overrides):
+    from recipes.layers.hf import hf_to_pipeline_key, pipeline_to_hf_key
+    config = deepseek_v3.make_config("tiny-moe", overrides)
+    state = SequentialReference(deepseek_v3.layer_specs(config, seed=0)).state_dict()
+    hf_keys = {pipeline_to_hf_key(k, config) for k in state}
+    assert len(hf_keys) == len(state)
+    assert {hf_to_pipeline_key(k, config) for k in hf_keys} == set(state)
+    if overrides.get("num_mtp_layers"):
+        assert "model.layers.4.eh_proj.weight" in hf_keys and "model.layers.4.shared_head.norm.weight" in hf_keys

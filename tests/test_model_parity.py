@@ -96,8 +96,7 @@ def test_gradients_match_transformers(case):
     ours_params = dict(ours.named_parameters())
     compared = 0
     for name, p in hf.named_parameters():
-        target = hf_to_pipeline_key(name, num_hidden_layers=config.num_hidden_layers,
-                                    tie_word_embeddings=config.tie_word_embeddings)
+        target = hf_to_pipeline_key(name, config)
         if target is None:
             continue
         mine = ours_params[target].grad
@@ -131,3 +130,35 @@ def test_counts_match_the_published_totals(preset, total, activated):
     print(f"{preset}: {got_total / 1e9:.2f}B total, {got_activated / 1e9:.2f}B activated")
     assert abs(got_total / total - 1) < 0.01
     assert abs(got_activated / activated - 1) < 0.025
+
+
+def test_mtp_module_matches_transformers_mtp_layer():
+    """The MTP block against transformers' generic MtpLayer (enorm/hnorm, [e; h]
+    concatenation, eh_proj, one decoder block, output norm), dense tiny config."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                                                      DeepseekV3RotaryEmbedding)
+    from recipes.layers.pipe import MTPLayerPipe
+    config = deepseek_v3.make_config("tiny", {"num_mtp_layers": 1, "rope_parameters": YARN})
+    hf_config = config.to_hf_config()
+    hf_config._attn_implementation = "sdpa"     # causal without a mask, as inside the model
+    ours = MTPLayerPipe(config, seed=5).eval()
+    theirs = MtpLayer(hf_config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, layer_idx=0).eval()
+    mapped = {}
+    for name, tensor in ours.state_dict().items():
+        if name.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+            mapped[name] = tensor
+        elif name == "shared_head.norm.weight":
+            mapped["post_norm.weight"] = tensor
+        else:
+            mapped[f"mtp_block.{name}"] = tensor
+    theirs.load_state_dict(mapped, strict=True)
+    g = torch.Generator().manual_seed(4)
+    h, e = torch.randn(2, 24, 128, generator=g), torch.randn(2, 24, 128, generator=g)
+    positions = torch.arange(24).unsqueeze(0)
+    cos_sin = DeepseekV3RotaryEmbedding(hf_config)(h, positions)
+    with torch.no_grad():
+        expected = theirs(e, h, position_embeddings=cos_sin, attention_mask=None, position_ids=positions, cache=None)
+        hidden, got = ours((h, e))
+    assert torch.equal(hidden, h)
+    assert (got - expected).abs().max().item() <= 1e-5

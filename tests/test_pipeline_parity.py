@@ -1,7 +1,7 @@
 """Pipelined training equals a single-process run of the same model.
 
 DeepSpeed's 1F1B (2 stages: dense, MoE, and 2 replicas with tied embeddings)
-and DeepSpeed's DualPipeV (2 ranks x 2 stages each) train the tiny recipe for a few
+and DeepSpeed's DualPipeV (2 ranks x 2 stages each; tied embeddings; MTP) train the tiny recipe for a few
 optimizer steps on fixed data (ZeRO-1, gradient clipping, DeepSpeed's AdamW); losses
 (rtol 1e-6) and updated weights (relative L2 1e-6 per tensor) are compared with a
 single-process reference (same layers, same seeds, torch.optim.AdamW, fp32).
@@ -19,7 +19,9 @@ SEQ = 32
 MICRO = 2
 LR = 1e-3
 SEED = 7
-OPT = {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+# eps 1e-6: Adam turns roundoff-sized gradients (1e-12) into lr-sized steps of random sign;
+# a larger eps keeps the comparison about the schedules, not about that amplification
+OPT = {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
 
 
 def _model_config(overrides):
@@ -61,10 +63,11 @@ def _pipeline_rank(schedule, stages, gas, overrides):
 
 def _reference(*, dp, gas, overrides):
     from recipes import deepseek_v3
-    from recipes.layers.pipe import SequentialReference
+    from recipes.layers.pipe import CausalLMLoss, SequentialReference
     torch.set_num_threads(1)
     config = _model_config(overrides)
-    model = SequentialReference(deepseek_v3.layer_specs(config, seed=SEED))
+    model = SequentialReference(deepseek_v3.layer_specs(config, seed=SEED),
+                                loss_fn=CausalLMLoss(0.3, mtp=config.num_mtp_layers > 0))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(OPT["betas"]), eps=OPT["eps"],
                             weight_decay=OPT["weight_decay"])
     data = _data(dp=dp, gas=gas, vocab=config.vocab_size)
@@ -91,6 +94,7 @@ CASES = {
     "1f1b-pp2-moe": dict(schedule="1f1b", world=2, stages=2, gas=2, overrides={
         "first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size": 48, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}),
+    "dualpipev-pp2-mtp": dict(schedule="dualpipev", world=2, stages=2, gas=4, overrides={"num_mtp_layers": 1}),
 }
 
 

@@ -174,3 +174,23 @@ def test_bf16_with_fp32_accumulation_tracks_fp32(tmp_path):
         losses[name] = json.loads(summary.read_text())["losses"]
     diff = np.abs(np.array(losses["bf16"]) - np.array(losses["fp32"]))
     assert diff.max() < 0.02 and diff.max() > 0, losses
+
+
+@pytest.mark.multirank
+def test_mtp_loss_is_trained_and_reported_apart(tmp_path):
+    def mtp(c):
+        c["seekspeed"]["recipe"]["overrides"] = {"num_mtp_layers": 1}
+        c["seekspeed"]["mtp"] = {"loss_weight": 0.3}
+        c["seekspeed"]["train"]["log_interval"] = 1
+    cfg = _config(tmp_path, "tiny_dualpipev_cpu.json", mtp)
+    summary = tmp_path / "s.json"
+    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+                    args=(["--deepspeed", cfg, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           "--summary-json", str(summary)],))
+    assert [r[0] for r in res] == [0, 0], res
+    assert "| lm " in res[0][1] and "| mtp " in res[0][1]
+    s = json.loads(summary.read_text())
+    assert len(s["loss_parts"]) == 3
+    for total, parts in zip(s["losses"], s["loss_parts"]):
+        assert parts["mtp"] > parts["lm"] > 0          # predicting two tokens ahead is harder
+        assert abs(total - (parts["lm"] + 0.3 * parts["mtp"])) < 1e-4

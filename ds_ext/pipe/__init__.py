@@ -10,10 +10,25 @@ from ds_ext.errors import ConfigError
 SCHEDULES = ("1f1b", "dualpipev")
 
 
+_CLASSES = {}
+
+
 def pipeline_module_class(schedule):
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
-    return {"1f1b": PipelineModule, "dualpipev": DualPipeVModule}[check_schedule(schedule)]
+    """DeepSpeed's module class for ``schedule``, reporting the loss function's parts
+    (language-model and MTP loss) through DeepSpeed's get_additional_losses."""
+    if not _CLASSES:
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+        class _ReportsLossParts:
+
+            def get_additional_losses(self):
+                parts = getattr(self.loss_fn, "additional_losses", None)
+                return parts() if parts is not None else None
+
+        _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, PipelineModule), {})
+        _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, DualPipeVModule), {})
+    return _CLASSES[check_schedule(schedule)]
 
 
 def check_schedule(schedule):

@@ -48,15 +48,28 @@ def layer_seed(base_seed, position):
     return (base_seed * 1_000_003 + position) % (2**63 - 1)
 
 
-class EmbeddingPipe(nn.Module):
+def _split(x):
+    """Layers pass one tensor, or (hidden, extra) when MTP carries a second tensor."""
+    return (x, None) if torch.is_tensor(x) else x
 
-    def __init__(self, config, *, seed):
+
+def _join(hidden, extra):
+    return hidden if extra is None else (hidden, extra)
+
+
+class EmbeddingPipe(nn.Module):
+    """Token ids -> hidden states; with ``carry_ids`` (MTP) the ids travel along, so the
+    MTP module on the last stage can embed each position's next token."""
+
+    def __init__(self, config, *, seed, carry_ids=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.carry_ids = carry_ids
         seeded_init(self, seed=layer_seed(seed, 0), std=config.initializer_range)
 
     def forward(self, input_ids):
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        return (hidden, input_ids) if self.carry_ids else hidden
 
 
 class DecoderLayerPipe(nn.Module):
@@ -74,9 +87,44 @@ class DecoderLayerPipe(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
         seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
 
-    def forward(self, hidden):
+    def block(self, hidden):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, x):
+        hidden, extra = _split(x)
+        return _join(self.block(hidden), extra)
+
+
+def mtp_next_embedding(embedding, x):
+    """TiedLayerSpec forward_fn (the shared embedding, on the last stage): (hidden, ids)
+    -> (hidden, embedding of each position's next input token). The last position has
+    no next input token; it gets the first one, and its MTP target is ignored."""
+    hidden, input_ids = x
+    return hidden, embedding.embed_tokens(torch.roll(input_ids, shifts=-1, dims=1))
+
+
+class MTPLayerPipe(DecoderLayerPipe):
+    """DeepSeek-V3's multi-token prediction module of depth 1: RMSNorm the main
+    model's last hidden state (hnorm) and the next token's embedding (enorm),
+    concatenate [enorm, hnorm], project (eh_proj), run one transformer block (of the
+    kind of the model's last layer), then its own output norm (shared_head.norm).
+    Names follow DeepSeek's checkpoints (model.layers.<L>.enorm ...)."""
+
+    def __init__(self, config, *, seed):
+        super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, eps=config.rms_norm_eps)
+        seeded_init(self, seed=layer_seed(seed, 2 + config.num_hidden_layers), std=config.initializer_range)
+
+    def forward(self, x):
+        hidden, next_embedding = x
+        mtp = self.eh_proj(torch.cat([self.enorm(next_embedding), self.hnorm(hidden)], dim=-1))
+        return hidden, self.shared_head.norm(self.block(mtp))
 
 
 class FinalNormPipe(nn.Module):
@@ -85,24 +133,29 @@ class FinalNormPipe(nn.Module):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden):
-        return self.norm(hidden)
+    def forward(self, x):
+        hidden, extra = _split(x)
+        return _join(self.norm(hidden), extra)
 
 
 class LMHeadPipe(nn.Module):
+    """The output projection; with MTP it projects both the main and the MTP states."""
 
     def __init__(self, config, *, seed):
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         seeded_init(self, seed=layer_seed(seed, 1 + config.num_hidden_layers), std=config.initializer_range)
 
-    def forward(self, hidden):
-        return self.lm_head(hidden)
+    def forward(self, x):
+        hidden, extra = _split(x)
+        return _join(self.lm_head(hidden), None if extra is None else self.lm_head(extra))
 
 
-def tied_lm_head(embedding, hidden):
+def tied_lm_head(embedding, x):
     """TiedLayerSpec forward_fn: the head reuses the embedding matrix."""
-    return F.linear(hidden, embedding.embed_tokens.weight)
+    hidden, extra = _split(x)
+    weight = embedding.embed_tokens.weight
+    return _join(F.linear(hidden, weight), None if extra is None else F.linear(extra, weight))
 
 
 def causal_lm_loss(logits, labels):
@@ -110,6 +163,34 @@ def causal_lm_loss(logits, labels):
     -100 for positions without a target."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX)
+
+
+class CausalLMLoss:
+    """The pipeline's loss_fn. With MTP the outputs are (logits, mtp_logits) and the
+    loss is CE(logits) + weight * CE(mtp_logits at i vs the token at i + 2); both
+    parts are kept for ``additional_losses`` (reported apart by DeepSpeed's engine)."""
+
+    def __init__(self, mtp_weight=0.0, *, mtp=False):
+        self.mtp_weight = mtp_weight
+        self.mtp = mtp
+        self.last = None
+
+    def __call__(self, outputs, labels):
+        if torch.is_tensor(outputs):
+            return causal_lm_loss(outputs, labels)
+        logits, mtp_logits = outputs
+        main = causal_lm_loss(logits, labels)
+        mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        mtp = causal_lm_loss(mtp_logits, mtp_labels)
+        self.last = {"lm": main.detach(), "mtp": mtp.detach()}
+        return main + self.mtp_weight * mtp
+
+    def additional_losses(self):
+        """The last micro-batch's parts, for DeepSpeed's get_additional_losses (every
+        stage must name the same losses; stages without the loss report zeros)."""
+        if not self.mtp:
+            return None
+        return self.last if self.last is not None else {"lm": torch.zeros(()), "mtp": torch.zeros(())}
 
 
 # ---- partitioning and references (no process group needed) ----------------------
@@ -196,7 +277,7 @@ class SequentialReference(nn.Module):
     and state-dict keys are a PipelineModule's ("3.self_attn.o_proj.weight",
     "tied_modules.embed.embed_tokens.weight"), so weights compare key by key."""
 
-    def __init__(self, specs, loss_fn=causal_lm_loss):
+    def __init__(self, specs, loss_fn=None):
         super().__init__()
         self.tied_modules = nn.ModuleDict()
         self._funcs = []
@@ -212,7 +293,7 @@ class SequentialReference(nn.Module):
             module = self.tied_modules[key]
             fn = spec.forward_fn
             self._funcs.append(module if fn is None else (lambda x, m=module, f=fn: f(m, x)))
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or CausalLMLoss()
 
     def forward(self, input_ids):
         x = input_ids
