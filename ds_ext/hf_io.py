@@ -218,3 +218,53 @@ def load_hf_into_module(module, hf_dir, config):
                     target.copy_(f.get_tensor(hf_key))
                     loaded += 1
     return loaded
+
+
+# ---- a whole model in one process (generation, inspection) --------------------------
+
+def load_checkpoint_model(ckpt_dir, *, tag=None):
+    """(recipe config, SequentialReference, training meta) from a pipeline checkpoint,
+    reading DeepSpeed's layer files."""
+    from recipes import get_recipe
+    from recipes.layers.hf import embedding_is_tied, positions
+    from recipes.layers.pipe import SequentialReference
+    from ds_ext.schema import from_dict
+    tag_dir = checkpoint_tag_dir(ckpt_dir, tag)
+    recipe_name, fields = checkpoint_model_config(tag_dir)
+    recipe = get_recipe(recipe_name)
+    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    model = SequentialReference(recipe.layer_specs(config, seed=0))
+    state = {}
+    for position in range(positions(config)["head"] + 1):
+        path = layer_file(tag_dir, position)
+        if path is None:
+            continue
+        prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
+        state.update({prefix + k: v for k, v in torch.load(path, map_location="cpu", weights_only=True).items()})
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise ConfigError(f"{tag_dir}: no tensor for {missing[:3]}: incomplete checkpoint")
+    model.load_state_dict(state)
+    states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    meta = torch.load(states[0], map_location="cpu", weights_only=False).get("seekspeed", {})
+    return config, model.eval(), meta
+
+
+def load_hf_model(hf_dir, *, recipe_name="deepseek_v3"):
+    """(recipe config, SequentialReference) from a transformers-format directory."""
+    from recipes import get_recipe
+    from recipes.layers.pipe import SequentialReference
+    recipe = get_recipe(recipe_name)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(recipe.DeepseekV3Config)}
+    fields = {k: v for k, v in hf.items() if k in names}
+    if hf.get("first_k_dense_replace", 0) >= hf.get("num_hidden_layers", 0):
+        fields["n_routed_experts"] = 0          # every layer dense
+    from ds_ext.schema import from_dict
+    config = from_dict(recipe.DeepseekV3Config, fields, where=f"{hf_dir}/config.json")
+    check_hf_dir(hf_dir, config, where="--hf")
+    model = SequentialReference(recipe.layer_specs(config, seed=0))
+    load_hf_into_module(model, hf_dir, config)
+    return config, model.eval()
