@@ -95,11 +95,15 @@ class MoeSection:
     bias_update_speed: float = 0.001
     # sequence-wise balance loss weight (DeepSeek-V3: 0.0001; 0 = off)
     balance_loss_alpha: float = 0.0001
+    # routed experts sharded over this many data-parallel ranks of each stage
+    expert_parallel_size: int = 1
 
     def check(self, where):
         for name in ("bias_update_speed", "balance_loss_alpha"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        if self.expert_parallel_size < 1:
+            raise ConfigError(f"{where}.expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
 
 
 @dataclass(kw_only=True)
@@ -339,6 +343,10 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
+    ep = section.moe.expert_parallel_size
+    if dp % ep:
+        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "
+                          f"({world_size} ranks / {stages} stages): choose a divisor of {dp}")
     if section.moe.balance_loss_alpha > 0 and ds.get("fp16", {}).get("enabled", False):
         raise ConfigError("seekspeed.moe.balance_loss_alpha > 0 is not supported with fp16 (its gradient would miss "
                           "the loss scale): use bf16 or fp32, or set balance_loss_alpha to 0")

@@ -9,6 +9,7 @@ such a directory, each rank reading only the tensors of the layers it holds.
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -56,15 +57,44 @@ def layer_file(tag_dir, position):
     return found[0] if found else None
 
 
+# ---- reading a checkpoint's weights, a piece at a time -------------------------------
+
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def read_weight_pieces(tag_dir, config):
+    """Yield the model's weights in pieces, each a dict of PipelineModule keys (routed
+    experts by global index). DeepSpeed writes two layouts: one file per pipeline
+    layer (dense models), or, for models with MoE layers, each stage's dense weights
+    in mp_rank_<stage>_model_states.pt plus one file per (stage, MoE layer, expert).
+    A piece is one layer file, one stage's dense weights, or one MoE layer's experts."""
+    from recipes.layers.hf import embedding_is_tied, positions
+    if glob.glob(os.path.join(tag_dir, "layer_*-model_*states.pt")):
+        for position in range(positions(config)["head"] + 1):
+            path = layer_file(tag_dir, position)
+            if path is None:
+                continue
+            prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
+            yield {prefix + k: v for k, v in torch.load(path, map_location="cpu", weights_only=True).items()}
+        return
+    experts = {}
+    for path in glob.glob(os.path.join(tag_dir, "layer_*_expert_*_mp_rank_*_model_states.pt")):
+        layer, _, stage = map(int, _EXPERT_FILE.search(path).groups())
+        experts.setdefault((stage, layer), []).append(path)
+    for path in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt"))):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        module = state.get("module") if isinstance(state, dict) else None
+        if not module:
+            raise ConfigError(f"{path} holds no weights: not a complete checkpoint")
+        yield dict(module)
+    for key in sorted(experts):
+        piece = {}
+        for path in sorted(experts[key]):
+            piece.update(torch.load(path, map_location="cpu", weights_only=True))
+        yield piece
+
+
 # ---- export ------------------------------------------------------------------------
-
-def _hf_name(position, name, config):
-    from recipes.layers.hf import embedding_is_tied, pipeline_to_hf_key
-    key = f"{position}.{name}"
-    if position == 0 and embedding_is_tied(config):
-        key = f"tied_modules.embed.{name}"
-    return pipeline_to_hf_key(key, config)
-
 
 class _ShardWriter:
     """Writes tensors into safetensors shards of at most ``max_bytes`` each."""
@@ -111,9 +141,11 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=None, log=print):
-    """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint.
-    Nothing appears at ``out_dir`` unless the whole export succeeds."""
+    """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint, one
+    piece of the checkpoint in memory at a time. Nothing appears at ``out_dir``
+    unless the whole export succeeds."""
     from recipes import get_recipe
+    from recipes.layers.hf import to_hf_state_dict
     from ds_ext.schema import from_dict
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir} exists and is not empty: choose a new directory")
@@ -125,26 +157,21 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        from recipes.layers.hf import positions as layout
-        pos = layout(config)
-        writer = _ShardWriter(tmp, max_shard_bytes)
-        positions = pos["head"] + 1
-        # tied layers that reuse the embedding have no file of their own
-        shared = {pos.get("mtp_embed")} | ({pos["head"]} if config.tie_word_embeddings else set())
-        saved_dtype = None
-        for position in range(positions):
-            path = layer_file(tag_dir, position)
-            if path is None:
-                if position in shared:
+        writer, written, saved_dtype = _ShardWriter(tmp, max_shard_bytes), set(), None
+        for number, piece in enumerate(read_weight_pieces(tag_dir, config)):
+            for name, tensor in to_hf_state_dict(piece, config).items():
+                if name in written:       # a tied embedding appears on two stages
                     continue
-                raise ConfigError(f"{tag_dir}: no layer file for pipeline layer {position}: incomplete checkpoint")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            for name, tensor in state.items():
+                written.add(name)
                 saved_dtype = saved_dtype or tensor.dtype
                 if dtype is not None and tensor.is_floating_point() and not name.endswith("e_score_correction_bias"):
                     tensor = tensor.to(_DTYPES[dtype])
-                writer.add(_hf_name(position, name, config), tensor)
-            log(f"export: layer {position + 1}/{positions}")
+                writer.add(name, tensor)
+            log(f"export: piece {number + 1} ({len(written)} tensors so far)")
+        expected = _expected_hf_keys(recipe, config)
+        if written != expected:
+            missing = sorted(expected - written)[:3]
+            raise ConfigError(f"{tag_dir}: the checkpoint lacks {missing}: incomplete checkpoint")
         files = writer.finish()
         hf_config = config.to_hf_config()
         hf_config.dtype = _DTYPES[dtype] if dtype else saved_dtype
@@ -157,6 +184,20 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": out_dir, "files": files, "bytes": writer.total, "tag_dir": tag_dir}
+
+
+def _expected_hf_keys(recipe, config):
+    """Every transformers tensor name the recipe's model has (built on the meta device)."""
+    from recipes.layers.hf import pipeline_to_hf_key
+    keys = set()
+    for position, spec in enumerate(recipe.layer_specs(config, seed=0)):
+        if getattr(spec, "forward_fn", None) is not None:
+            continue
+        with torch.device("meta"):
+            module = spec.build()
+        prefix = f"tied_modules.{spec.key}." if hasattr(spec, "key") else f"{position}."
+        keys.update(pipeline_to_hf_key(prefix + name, config)[0] for name in module.state_dict())
+    return keys
 
 
 def _move_into(tmp, out_dir):
@@ -191,7 +232,7 @@ def load_hf_into_module(module, hf_dir, config):
     """Copy the tensors of ``module``'s own layers from ``hf_dir``; returns how many.
     A missing or misshaped tensor is a ConfigError naming it and the expected shape."""
     from safetensors import safe_open
-    from recipes.layers.hf import pipeline_to_hf_key
+    from recipes.layers.hf import first_expert, pipeline_to_hf_key
     index_path = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -199,23 +240,25 @@ def load_hf_into_module(module, hf_dir, config):
     else:
         with safe_open(os.path.join(hf_dir, SINGLE), framework="pt") as f:
             weight_map = {k: SINGLE for k in f.keys()}
+    offset = first_expert(module)
     wanted = {}
     for key, tensor in module.state_dict().items():
-        hf_key = pipeline_to_hf_key(key, config)
+        hf_key, index = pipeline_to_hf_key(key, config)
+        expected = list(tensor.shape) if index is None else [config.n_routed_experts] + list(tensor.shape)
         if hf_key not in weight_map:
-            raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {list(tensor.shape)})")
-        wanted.setdefault(weight_map[hf_key], []).append((key, hf_key, tensor))
+            raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {expected})")
+        wanted.setdefault(weight_map[hf_key], []).append((hf_key, index, expected, tensor))
     loaded = 0
     with torch.no_grad():
         for file, items in sorted(wanted.items()):
             with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
-                for key, hf_key, target in items:
+                for hf_key, index, expected, target in items:
                     source = f.get_slice(hf_key)
                     shape = list(source.get_shape())
-                    if shape != list(target.shape):
-                        raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} has shape {shape}, expected "
-                                          f"{list(target.shape)}")
-                    target.copy_(f.get_tensor(hf_key))
+                    if shape != expected:
+                        raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} has shape {shape}, expected {expected}")
+                    # a routed expert reads only its own row of the packed tensor
+                    target.copy_(f.get_tensor(hf_key) if index is None else source[offset + index])
                     loaded += 1
     return loaded
 
@@ -223,10 +266,8 @@ def load_hf_into_module(module, hf_dir, config):
 # ---- a whole model in one process (generation, inspection) --------------------------
 
 def load_checkpoint_model(ckpt_dir, *, tag=None):
-    """(recipe config, SequentialReference, training meta) from a pipeline checkpoint,
-    reading DeepSpeed's layer files."""
+    """(recipe config, SequentialReference, training meta) from a pipeline checkpoint."""
     from recipes import get_recipe
-    from recipes.layers.hf import embedding_is_tied, positions
     from recipes.layers.pipe import SequentialReference
     from ds_ext.schema import from_dict
     tag_dir = checkpoint_tag_dir(ckpt_dir, tag)
@@ -235,16 +276,12 @@ def load_checkpoint_model(ckpt_dir, *, tag=None):
     config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
     model = SequentialReference(recipe.layer_specs(config, seed=0))
     state = {}
-    for position in range(positions(config)["head"] + 1):
-        path = layer_file(tag_dir, position)
-        if path is None:
-            continue
-        prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
-        state.update({prefix + k: v for k, v in torch.load(path, map_location="cpu", weights_only=True).items()})
+    for piece in read_weight_pieces(tag_dir, config):
+        state.update(piece)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise ConfigError(f"{tag_dir}: no tensor for {missing[:3]}: incomplete checkpoint")
-    model.load_state_dict(state)
+    model.load_state_dict({k: state[k] for k in model.state_dict()})
     states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     meta = torch.load(states[0], map_location="cpu", weights_only=False).get("seekspeed", {})
     return config, model.eval(), meta

@@ -73,6 +73,13 @@ def validate(args, *, world_size):
     recipe = get_recipe(s.recipe.name)
     model_config = recipe.make_config(s.recipe.preset, s.recipe.overrides)
     recipe.check_stages(model_config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
+    ep = s.moe.expert_parallel_size
+    if ep > 1 and model_config.num_moe_layers() == 0:
+        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} but preset {s.recipe.preset!r} has no MoE layers: "
+                          f"set it to 1 or use an MoE preset (tiny-moe, deepseek-v2-lite, deepseek-v3)")
+    if model_config.num_moe_layers() and model_config.n_routed_experts % ep:
+        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide n_routed_experts "
+                          f"{model_config.n_routed_experts}: choose a divisor of {model_config.n_routed_experts}")
     check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0))
     if model_config.max_position_embeddings < s.data.seq_len:
         raise ConfigError(f"seekspeed.data.seq_len {s.data.seq_len} exceeds the model's max_position_embeddings "
@@ -229,7 +236,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                   partition_method=_partition_method(cfg.ds, recipe),
                                   activation_checkpoint_interval=cfg.ds.get("pipeline", {}).get(
                                       "activation_checkpoint_interval", 0),
-                                  seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight)
+                                  seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight,
+                                  expert_parallel_size=s.moe.expert_parallel_size)
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
     init_tensors, error = 0, None
@@ -262,6 +270,10 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     ds_config = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    if engine.has_moe_layers and rank == 0:
+        print(f"moe: {model_config.n_routed_experts} routed experts per layer, expert-parallel degree "
+              f"{s.moe.expert_parallel_size} ({model_config.n_routed_experts // s.moe.expert_parallel_size} per rank)",
+              flush=True)
     ckpt_dir = s.checkpoint.dir
     if args.resume:
         load_path, client_state = engine.load_checkpoint(ckpt_dir)

@@ -161,7 +161,7 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return from_dict(DeepseekV3Config, {**PRESETS[preset], **(overrides or {})}, where=f"{where}.overrides")
 
 
-def layer_specs(config, *, seed):
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0):
     """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final
     norm, head.
 
@@ -178,9 +178,10 @@ def layer_specs(config, *, seed):
                              tied_weight_attr=["embed_tokens.weight"], **kw)
 
     specs = [embed() if config.tie_word_embeddings or mtp else LayerSpec(EmbeddingPipe, config, seed=seed)]
-    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed) for i in range(config.num_hidden_layers)]
+    ep = dict(ep_size=ep_size, ep_rank=ep_rank)
+    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed, **ep) for i in range(config.num_hidden_layers)]
     if mtp:
-        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(MTPLayerPipe, config, seed=seed)]
+        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(MTPLayerPipe, config, seed=seed, **ep)]
     specs.append(LayerSpec(FinalNormPipe, config))
     specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
     return specs
@@ -190,7 +191,7 @@ DEFAULT_PARTITION = "type:DecoderLayerPipe"
 
 
 def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=DEFAULT_PARTITION,
-                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3):
+                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1):
     """The model as a DeepSpeed PipelineModule (DualPipeVModule for ``dualpipev``).
 
     Only the layers of this rank's stage(s) are built. Call after
@@ -200,10 +201,25 @@ def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", p
     stages = num_stages if num_stages is not None else topology.get_dim("pipe")
     check_stages(config, stages=stages, schedule=schedule)
     module_cls = pipeline_module_class(schedule)
-    return module_cls(layers=layer_specs(config, seed=seed), num_stages=num_stages, topology=topology,
+    ep_rank = expert_parallel_rank(stages=stages, ep_size=expert_parallel_size)
+    specs = layer_specs(config, seed=seed, ep_size=expert_parallel_size, ep_rank=ep_rank)
+    return module_cls(layers=specs, num_stages=num_stages, topology=topology,
                       loss_fn=CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0), partition_method=partition_method,
                       activation_checkpoint_interval=activation_checkpoint_interval,
                       checkpointable_layers=["DecoderLayerPipe", "MTPLayerPipe"])
+
+
+def expert_parallel_rank(*, stages, ep_size):
+    """This rank's place in its expert-parallel group. DeepSpeed lays ranks out as
+    pipe x data and carves expert-parallel groups of consecutive data-parallel ranks
+    out of each stage (deepspeed.utils.groups), so it is the data-parallel index
+    modulo the group size; the MoE layer checks it against DeepSpeed's groups."""
+    from deepspeed import comm as dist
+    data_parallel = dist.get_world_size() // stages
+    if data_parallel % ep_size:
+        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep_size} does not divide the data-parallel size "
+                          f"{data_parallel}: choose a divisor of {data_parallel}")
+    return (dist.get_rank() % data_parallel) % ep_size
 
 
 def check_stages(config, *, stages, schedule):

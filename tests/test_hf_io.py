@@ -1,9 +1,9 @@
 """transformers import/export: a trained pipeline checkpoint (tiny-moe, tied
-embeddings, 2 stages) exports to config.json + safetensors that
+embeddings, 2 stages x 2 replicas, expert-parallel degree 2) exports to config.json + safetensors that
 AutoModelForCausalLM.from_pretrained loads offline with the same logits; training
 starts from such a directory with each stage reading only its layers; bad
 directories are refused naming the tensor and its expected shape.
-Multi-rank (2 gloo ranks, twice) plus single-process checks; about 40 s."""
+Multi-rank (4 gloo ranks, twice) plus single-process checks; about 60 s."""
 
 import glob
 import json
@@ -29,6 +29,7 @@ def _config(tmp_path, name, mutate):
         cfg = json.load(f)
     cfg["seekspeed"]["recipe"]["overrides"] = dict(OVERRIDES)
     cfg["seekspeed"]["checkpoint"]["interval_steps"] = 0
+    cfg["seekspeed"]["moe"]["expert_parallel_size"] = 2
     mutate(cfg)
     path = tmp_path / name
     path.write_text(json.dumps(cfg))
@@ -40,26 +41,17 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     cfg = _config(tmp, "train.json", lambda c: None)
     ckpt = tmp / "ckpt"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "3", "--checkpoint-dir", str(ckpt)],))
-    assert [r[0] for r in res] == [0, 0], res
+    assert [r[0] for r in res] == [0] * 4, res
     out = tmp / "hf"
     export_hf(str(ckpt), str(out), max_shard_bytes=2**20, log=lambda *_: None)   # 1 MiB: several shards
     return tmp, ckpt, out
 
 
-def _reference_from_layer_files(tag_dir, config):
-    model = SequentialReference(deepseek_v3.layer_specs(config, seed=0))
-    state = {}
-    from recipes.layers.hf import positions
-    for position in range(positions(config)["head"] + 1):
-        path = layer_file(tag_dir, position)
-        if path is None:
-            continue
-        prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
-        state.update({prefix + k: v for k, v in torch.load(path, weights_only=True).items()})
-    model.load_state_dict(state)
-    return model.eval()
+def _reference_from_checkpoint(ckpt):
+    from ds_ext.hf_io import load_checkpoint_model
+    return load_checkpoint_model(str(ckpt))[1]
 
 
 @pytest.mark.multirank
@@ -68,8 +60,7 @@ def test_export_loads_in_transformers_with_the_same_logits(trained):
     _, ckpt, out = trained
     assert len(glob.glob(str(out / "model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
-    config = deepseek_v3.make_config("tiny-moe", OVERRIDES)
-    ours = _reference_from_layer_files(str(ckpt / "global_step3"), config)
+    ours = _reference_from_checkpoint(ckpt)
     bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.abs().sum() > 0          # trained routing biases travel with the weights
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -87,23 +78,27 @@ def test_training_starts_from_a_transformers_directory(trained, tmp_path):
         c["seekspeed"]["moe"]["bias_update_speed"] = 0.0
     cfg = _config(tmp_path, "init.json", mutate)
     ckpt, summary = tmp_path / "ckpt", tmp_path / "s.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "1", "--checkpoint-dir", str(ckpt),
                            "--summary-json", str(summary)],))
-    assert [r[0] for r in res] == [0, 0], res
+    assert [r[0] for r in res] == [0] * 4, res
     counts = json.loads(summary.read_text())["init_from_tensors_per_rank"]
     with open(out / "model.safetensors.index.json") as f:
         total = len(json.load(f)["weight_map"])
-    assert all(c > 0 for c in counts) and sum(counts) == total + 1   # the tied embedding is on both stages
+    # one replica (ranks 0 and 2: stages 0 and 1, expert-parallel rank 0) reads every dense
+    # tensor once, the tied embedding twice, and for each of the 3 MoE layers 2 weights x 4 of
+    # its 8 experts (the other 4 are read by the replica's expert-parallel partner)
+    packed = 3 * 2
+    assert counts[0] + counts[2] == total + 1 - packed + 3 * 2 * 4
+    assert counts == [counts[0], counts[0], counts[2], counts[2]]
     config = deepseek_v3.make_config("tiny-moe", OVERRIDES)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
-    ours = _reference_from_layer_files(str(ckpt / "global_step1"), config)   # lr 0: still the imported weights
-    from recipes.layers.hf import pipeline_to_hf_key
+    ours = _reference_from_checkpoint(ckpt)   # lr 0: still the imported weights
+    from recipes.layers.hf import to_hf_state_dict
     hf_state = hf.state_dict()
-    for key, value in ours.state_dict().items():
-        hf_key = pipeline_to_hf_key(key, config)
-        assert torch.equal(value, hf_state[hf_key]), key
+    for key, value in to_hf_state_dict(ours.state_dict(), config).items():
+        assert torch.equal(value, hf_state[key]), key
 
 
 def _small_hf_dir(tmp_path, mutate):
@@ -111,9 +106,8 @@ def _small_hf_dir(tmp_path, mutate):
     from safetensors.torch import save_file
     config = deepseek_v3.make_config("tiny")
     model = SequentialReference(deepseek_v3.layer_specs(config, seed=0))
-    from recipes.layers.hf import pipeline_to_hf_key
-    state = {pipeline_to_hf_key(k, config): v.contiguous()
-             for k, v in model.state_dict().items()}
+    from recipes.layers.hf import to_hf_state_dict
+    state = {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), config).items()}
     mutate(state)
     d = tmp_path / "bad"
     d.mkdir()
@@ -154,11 +148,18 @@ def test_other_model_and_bad_directories_are_refused(tmp_path):
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"num_mtp_layers": 1},
                                        {"num_mtp_layers": 1, "tie_word_embeddings": True}])
 def test_names_round_trip(overrides):
-    from recipes.layers.hf import hf_to_pipeline_key, pipeline_to_hf_key
+    from recipes.layers.hf import hf_to_pipeline_key
     config = deepseek_v3.make_config("tiny-moe", overrides)
     state = SequentialReference(deepseek_v3.layer_specs(config, seed=0)).state_dict()
-    hf_keys = {pipeline_to_hf_key(k, config) for k in state}
-    assert len(hf_keys) == len(state)
-    assert {hf_to_pipeline_key(k, config) for k in hf_keys} == set(state)
+    from recipes.layers.hf import expert_key, is_packed_experts, to_hf_state_dict
+    hf_state = to_hf_state_dict(state, config)
+    hf_keys = set(hf_state)
+    back = set()
+    for k, v in hf_state.items():
+        target = hf_to_pipeline_key(k, config)
+        back |= {expert_key(target, e) for e in range(v.shape[0])} if is_packed_experts(k) else {target}
+    assert back == set(state)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in hf_keys and hf_state[
+        "model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 192, 128)
     if overrides.get("num_mtp_layers"):
         assert "model.layers.4.eh_proj.weight" in hf_keys and "model.layers.4.shared_head.norm.weight" in hf_keys

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tests.numerics import assert_weights_close
 
 STEPS = 3
 SEQ = 32
@@ -110,17 +111,8 @@ def test_pipeline_matches_single_process(case):
     merged = {}
     for r in results:
         merged.update(r["state"])
-    assert set(merged) == set(ref_state), sorted(set(merged) ^ set(ref_state))
     assert not np.allclose(ref_state["2.self_attn.o_proj.weight"], _initial_state(c["overrides"])["2.self_attn.o_proj.weight"])
-    # Per tensor: relative L2 difference <= 1e-6, and no entry off by more than 1e-5. (Adam
-    # divides by sqrt(v), so fp32 roundoff in a near-zero gradient entry can move that one
-    # weight by a small fraction of lr; the L2 bound shows the model as a whole is the same.)
-    rel = {k: float(np.linalg.norm(merged[k] - v) / max(float(np.linalg.norm(v)), 1e-30))
-           for k, v in ref_state.items()}
-    worst = max(rel, key=rel.get)
-    assert rel[worst] <= 1e-6, f"{worst}: relative L2 weight difference {rel[worst]:.3e}"
-    max_abs = max(float(np.max(np.abs(merged[k] - v))) for k, v in ref_state.items())
-    assert max_abs <= 1e-5, f"largest weight difference {max_abs:.3e}"
+    assert_weights_close(merged, ref_state)
 
 
 def _initial_state(overrides):

@@ -103,42 +103,140 @@ class TopkRouter(nn.Module):
         return self.balance_alpha * (f * probs.mean(dim=1)).sum(dim=-1).mean()
 
 
-class RoutedExperts(nn.Module):
+class ExpertMLP(nn.Module):
+    """One routed SwiGLU expert; ``gate_up_proj`` [2I, H] and ``down_proj`` [H, I] are
+    one row of transformers' packed [E, ...] expert tensors."""
 
     def __init__(self, config):
         super().__init__()
-        c = config
-        self.num_experts = c.n_routed_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size))
-        self.act_fn = ACTIVATIONS[c.hidden_act]
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.moe_intermediate_size, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.moe_intermediate_size))
+        self.act_fn = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x, weights, indices):
-        out = torch.zeros_like(x)
-        with torch.no_grad():
-            hit = torch.bincount(indices.flatten(), minlength=self.num_experts).nonzero().flatten().tolist()
-        for expert in hit:
-            token_idx, slot = torch.where(indices == expert)
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj)
+
+
+class _AllToAll(torch.autograd.Function):
+    """deepspeed.comm.all_to_all_single with uneven splits, differentiable (the
+    backward sends gradients back along the reverse splits)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        from deepspeed import comm as dist
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=group)
         return out
 
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
 
-class DeepSeekMoE(nn.Module):
 
-    def __init__(self, config):
-        super().__init__()
+def _moe_base():
+    from deepspeed.moe.layer import MoE
+    return MoE
+
+
+class DeepSeekMoE(_moe_base()):
+    """The MoE feed-forward. A DeepSpeed ``MoE`` module, so DeepSpeed's engine creates
+    the expert-parallel groups (``set_deepspeed_parallelism``), reduces the routed
+    experts' gradients only over the ranks holding the same experts, gives them their
+    own ZeRO-1 partitions and checkpoints them per expert. Routed experts live under
+    ``deepspeed_moe.experts.deepspeed_experts.<i>`` (the names DeepSpeed's checkpoint
+    code expects); with expert-parallel degree P this rank holds experts
+    [ep_rank * E/P, (ep_rank + 1) * E/P) and tokens reach them by all-to-all."""
+
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0):
+        nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
+        if c.n_routed_experts % ep_size:
+            raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by expert_parallel_size {ep_size}")
+        self.num_experts = c.n_routed_experts
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.num_local_experts = c.n_routed_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.enable_expert_tensor_parallelism = False
+        self.ep_group = None
         self.gate = TopkRouter(c)
-        self.experts = RoutedExperts(c)
-        self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act)
+        self.deepspeed_moe = nn.Module()
+        self.deepspeed_moe.experts = nn.Module()
+        self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(ExpertMLP(c) for _ in range(self.num_local_experts))
+        for p in self.deepspeed_moe.experts.parameters():
+            p.allreduce = False
+            p.group_name = self.expert_group_name
+        # named without "expert": DeepSpeed treats every tensor whose name has it as routed
+        self.shared_mlp = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act)
+        self._init_std, self._seed = c.initializer_range, seed
+
+    @property
+    def experts(self):
+        return self.deepspeed_moe.experts.deepspeed_experts
+
+    def first_expert(self):
+        return self.ep_rank * self.num_local_experts
+
+    def init_experts(self, *, seed, std):
+        """Each routed expert from its own RNG stream, keyed by its global index, so
+        the model is the same for every expert-parallel degree."""
+        for local, expert in enumerate(self.experts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed * 1_000_003 + 7919 * (self.first_expert() + local + 1)) % (2**63 - 1))
+                nn.init.normal_(expert.gate_up_proj, mean=0.0, std=std)
+                nn.init.normal_(expert.down_proj, mean=0.0, std=std)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+        """Called by DeepSpeed's engine: make (or reuse) the expert-parallel groups."""
+        from deepspeed.utils import groups
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(self.ep_size,
+                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+        rank = groups._get_expert_parallel_rank(self.expert_group_name)
+        if rank != self.ep_rank:
+            raise RuntimeError(f"expert-parallel rank {rank} from DeepSpeed's groups differs from the {self.ep_rank} "
+                               f"this layer was built for: the rank layout is not pipe x data")
 
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
-        return self.experts(flat, weights, indices).view(shape) + self.shared_experts(x)
+        routed = self._routed(flat, weights, indices)
+        return routed.view(shape) + self.shared_mlp(x)
+
+    def _routed(self, x, weights, indices):
+        tokens, k = indices.shape
+        flat_experts = indices.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)        # by expert, so by destination rank
+        token_of = order // k
+        per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
+        sent = x[token_of]
+        if self.ep_size == 1:
+            received, counts = sent, per_expert.view(1, -1)
+        else:
+            from deepspeed import comm as dist
+            counts = torch.empty_like(per_expert)
+            dist.all_to_all_single(counts, per_expert, group=self.ep_group)   # [source, local expert] counts
+            counts = counts.view(self.ep_size, self.num_local_experts)
+            send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
+            recv_splits = counts.sum(1).tolist()
+            received = _AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)
+        local_expert = torch.cat([torch.repeat_interleave(torch.arange(self.num_local_experts, device=x.device), row)
+                                  for row in counts])
+        outputs = torch.zeros_like(received)
+        for j, expert in enumerate(self.experts):
+            # an expert no token chose still runs (on zero rows): every expert then has a
+            # gradient, zeros or not, so all ranks reduce the same buckets
+            rows = (local_expert == j).nonzero().flatten()
+            outputs = outputs.index_copy(0, rows, expert(received[rows]).to(outputs.dtype))
+        if self.ep_size > 1:
+            outputs = _AllToAll.apply(outputs, send_splits, recv_splits, self.ep_group)
+        scale = weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token_of, (outputs * scale).to(x.dtype))
 
 
 def routers(module):

@@ -12,13 +12,13 @@ from torch import nn
 
 from .mla import MLAttention
 from .mlp import SwiGLU
-from .moe import DeepSeekMoE, RoutedExperts, TopkRouter
+from .moe import DeepSeekMoE, ExpertMLP, TopkRouter
 from .norm import RMSNorm
 
 IGNORE_INDEX = -100
 
 
-def _init_weights(module, std):
+def _init_weights(module, std, seed):
     """transformers' DeepseekV3 initialisation: N(0, std) weights, zero biases, unit norms."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -32,16 +32,17 @@ def _init_weights(module, std):
         elif isinstance(m, TopkRouter):
             nn.init.normal_(m.weight, mean=0.0, std=std)
             nn.init.zeros_(m.e_score_correction_bias)
-        elif isinstance(m, RoutedExperts):
-            nn.init.normal_(m.gate_up_proj, mean=0.0, std=std)
-            nn.init.normal_(m.down_proj, mean=0.0, std=std)
+        elif isinstance(m, DeepSeekMoE):
+            m.init_experts(seed=seed, std=std)
 
 
 def seeded_init(module, *, seed, std):
-    """Initialise ``module`` from its own RNG stream, leaving the global RNG untouched."""
+    """Initialise ``module`` from its own RNG stream, leaving the global RNG untouched.
+    Routed experts get one stream each (by global index), so expert parallelism does
+    not change the model."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        _init_weights(module, std)
+        _init_weights(module, std, seed)
 
 
 def layer_seed(base_seed, position):
@@ -75,14 +76,14 @@ class EmbeddingPipe(nn.Module):
 class DecoderLayerPipe(nn.Module):
     """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
 
-    def __init__(self, config, *, layer_idx, seed):
+    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = MLAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = DeepSeekMoE(config)
+            self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
         seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
@@ -111,8 +112,8 @@ class MTPLayerPipe(DecoderLayerPipe):
     kind of the model's last layer), then its own output norm (shared_head.norm).
     Names follow DeepSeek's checkpoints (model.layers.<L>.enorm ...)."""
 
-    def __init__(self, config, *, seed):
-        super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed)
+    def __init__(self, config, *, seed, ep_size=1, ep_rank=0):
+        super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed, ep_size=ep_size, ep_rank=ep_rank)
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)

@@ -1,0 +1,100 @@
+"""Expert parallelism: the tiny-moe model trained for a few optimizer steps with
+expert-parallel degree 1 and 2 (4 ranks = 2 stages x 2 data-parallel, ZeRO-1, 1F1B)
+gives the same losses and the same weights; with degree 2 each routed expert exists
+on exactly one rank of each expert-parallel group, DeepSpeed sees the experts as its
+own (MoE param groups, expert-data-parallel gradient groups), and a degree that does
+not divide the data-parallel size or the experts is refused. Multi-rank; about 40 s."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.numerics import assert_weights_close
+
+STEPS, SEQ, MICRO, GAS, SEED = 3, 32, 2, 2, 5
+
+
+def _ep_rank(ep):
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.utils import groups
+    from recipes import deepseek_v3
+    from recipes.layers.moe import DeepSeekMoE
+    config = deepseek_v3.make_config("tiny-moe", {"num_hidden_layers": 4})
+    model = deepseek_v3.build_pipeline(config, num_stages=2, seed=SEED, expert_parallel_size=ep)
+    ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+                 "gradient_clipping": 1.0, "steps_per_print": 10**6,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}},
+                 "zero_optimization": {"stage": 1}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
+    grid = model._grid
+    dp = grid.get_data_parallel_id()
+    g = torch.Generator().manual_seed(SEED)
+    data = torch.randint(0, config.vocab_size, (STEPS, 2, GAS, MICRO, SEQ + 1), generator=g)[:, dp]
+    it = ((data[s, m, :, :-1], data[s, m, :, 1:]) for s in range(STEPS) for m in range(GAS))
+    losses = [engine.train_batch(it).item() for _ in range(STEPS)]
+    experts = {}
+    moe_layers = [(n, m) for n, m in engine.module.named_modules() if isinstance(m, DeepSeekMoE)]
+    for name, layer in moe_layers:
+        for local, expert in enumerate(layer.experts):
+            experts[f"{name}.{layer.first_expert() + local}"] = torch.cat([p.detach().flatten()
+                                                                          for p in expert.parameters()])
+    dense = {n: p.detach().clone() for n, p in engine.module.named_parameters() if "deepspeed_moe" not in n}
+    name = f"ep_size_{ep}"
+    return {"losses": losses, "stage": grid.get_stage_id(), "dp": dp, "experts": experts, "dense": dense,
+            "has_moe": engine.has_moe_layers, "ep_rank": groups._get_expert_parallel_rank(name),
+            "edp_size": groups._get_expert_data_parallel_world_size(name),
+            "moe_groups": sum(1 for g in engine.optimizer.optimizer.param_groups if g.get("moe")),
+            "rank": dist.get_rank()}
+
+
+@pytest.mark.multirank
+def test_expert_parallel_degree_two_equals_one():
+    one = run_ranks(_ep_rank, world_size=4, args=(1,), timeout=300)
+    two = run_ranks(_ep_rank, world_size=4, args=(2,), timeout=300)
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-6, atol=0)
+    assert all(r["has_moe"] and r["moe_groups"] >= 1 for r in one + two)
+    # each expert on exactly one rank of each expert-parallel group (same stage, same replica set)
+    for stage in (0, 1):
+        ranks = [r for r in two if r["stage"] == stage]
+        assert sorted(r["ep_rank"] for r in ranks) == [0, 1] and all(r["edp_size"] == 1 for r in ranks)
+        held = [set(r["experts"]) for r in ranks]
+        assert not held[0] & held[1]
+        everything = set(next(r for r in one if r["stage"] == stage)["experts"])
+        assert held[0] | held[1] == everything and (everything or stage == 0)
+    # the same weights after training: experts by global index, dense weights by name
+    got, ref = {}, {}
+    for r in two:
+        got.update(r["experts"])
+        got.update({f"{r['stage']}/{k}": v for k, v in r["dense"].items()})
+    for r in one:
+        ref.update(r["experts"])
+        ref.update({f"{r['stage']}/{k}": v for k, v in r["dense"].items()})
+    assert_weights_close(got, ref)
+
+
+def test_degree_must_divide_data_parallel_and_experts(tmp_path):
+    import json
+    import os
+    from ds_ext.config import load_config
+    from ds_ext.errors import ConfigError
+    from ds_ext import trainer
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "ds_configs", "tiny_moe_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg["seekspeed"]["moe"]["expert_parallel_size"] = 3
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="expert_parallel_size 3 does not divide the data-parallel size 2"):
+        load_config(str(path), world_size=4)
+    cfg["seekspeed"]["moe"]["expert_parallel_size"] = 3
+    path.write_text(json.dumps(cfg))
+    os.environ["WORLD_SIZE"] = "6"
+    try:
+        args = trainer.parse_args(["--deepspeed", str(path), "--checkpoint-dir", str(tmp_path / "ck")])
+        with pytest.raises(ConfigError, match="does not divide n_routed_experts 8"):
+            trainer.validate(args, world_size=6)
+    finally:
+        os.environ.pop("WORLD_SIZE")
