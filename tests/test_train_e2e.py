@@ -67,32 +67,44 @@ def _trainer_rank(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
+RESUME_CASES = {   # config, world size, expert-parallel degree
+    "1f1b": ("tiny_cpu.json", 2, 1),
+    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1),
+    "moe-ep2": ("tiny_moe_cpu.json", 4, 2),
+}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("config", ["tiny_cpu.json", "tiny_dualpipev_cpu.json", "tiny_moe_cpu.json"])
-def test_resume_continues_the_same_trajectory(tmp_path, config):
-    cfg = _config(tmp_path, config, lambda c: c["seekspeed"]["checkpoint"].update(interval_steps=3))
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_resume_continues_the_same_trajectory(tmp_path, case):
+    config, world, ep = RESUME_CASES[case]
+
+    def mutate(c):
+        c["seekspeed"]["checkpoint"]["interval_steps"] = 3
+        c["seekspeed"].setdefault("moe", {})["expert_parallel_size"] = ep
+    cfg = _config(tmp_path, config, mutate)
     full, sfull = tmp_path / "full", tmp_path / "full.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(full),
                            "--summary-json", str(sfull)],))
-    assert [r[0] for r in res] == [0, 0], res
+    assert [r[0] for r in res] == [0] * world, res
     # a run that stopped after step 3: its checkpoint directory as it was then
     part = tmp_path / "part"
     part.mkdir()
     shutil.copytree(full / "global_step3", part / "global_step3")
     (part / "latest").write_text("global_step3")
     spart = tmp_path / "part.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(part), "--resume",
                            "--summary-json", str(spart)],))
-    assert [r[0] for r in res] == [0, 0], res
+    assert [r[0] for r in res] == [0] * world, res
     assert "resumed from" in res[0][1]
     a, b = json.loads(sfull.read_text()), json.loads(spart.read_text())
     assert b["start_step"] == 3 and b["steps"] == 3
     # equal losses after the restart need the weights, optimizer, scheduler, data position
     # and (MoE) the routers' correction biases all restored
     np.testing.assert_allclose(b["losses"], a["losses"][3:], rtol=1e-6, atol=0)
-    if "moe" in config:
+    if "moe" in case:
         assert a["moe"]["expert_load"] and b["moe"]["expert_load"] == a["moe"]["expert_load"]
     assert (part / "latest").read_text().strip() == "global_step6"
 
@@ -101,9 +113,9 @@ def test_resume_continues_the_same_trajectory(tmp_path, config):
     changed["train_micro_batch_size_per_gpu"] = 2
     other = tmp_path / "other.json"
     other.write_text(json.dumps(changed))
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", str(other), "--steps", "6", "--checkpoint-dir", str(full), "--resume"],))
-    assert [r[0] for r in res] == [2, 2], res
+    assert [r[0] for r in res] == [2] * world, res
     lines = res[0][2].strip().splitlines()
     assert len(lines) == 1 and "micro_batch 4 -> 2" in lines[0], res[0][2]
 
