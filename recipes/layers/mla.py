@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.pipe.zero_bubble import Linear
+
 from .norm import RMSNorm
 from . import rope
 
@@ -30,16 +32,16 @@ class MLAttention(nn.Module):
         self.rope_interleave = c.rope_interleave
 
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(c.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+            self.q_b_proj = Linear(c.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
                                             bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.kv_b_proj = Linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
 
         inv_freq, self.rope_attention_factor = rope.inv_freq_and_attention_factor(
             c.rope_parameters, dim=c.qk_rope_head_dim, max_position_embeddings=c.max_position_embeddings)

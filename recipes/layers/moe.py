@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.pipe.zero_bubble import linear
+
 from .mlp import ACTIVATIONS, SwiGLU
 
 
@@ -114,8 +116,8 @@ class ExpertMLP(nn.Module):
         self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(self.act_fn(gate) * up, self.down_proj)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.pipe.zero_bubble import Linear
+
 from .mla import MLAttention
 from .mlp import SwiGLU
 from .moe import DeepSeekMoE, ExpertMLP, TopkRouter
@@ -40,6 +42,8 @@ def seeded_init(module, *, seed, std):
     """Initialise ``module`` from its own RNG stream, leaving the global RNG untouched.
     Routed experts get one stream each (by global index), so expert parallelism does
     not change the model."""
+    if any(p.is_meta for p in module.parameters()):
+        return   # built on the meta device to count or plan: nothing to fill
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _init_weights(module, std, seed)
@@ -117,7 +121,7 @@ class MTPLayerPipe(DecoderLayerPipe):
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, eps=config.rms_norm_eps)
         seeded_init(self, seed=layer_seed(seed, 2 + config.num_hidden_layers), std=config.initializer_range)
@@ -144,7 +148,7 @@ class LMHeadPipe(nn.Module):
 
     def __init__(self, config, *, seed):
         super().__init__()
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         seeded_init(self, seed=layer_seed(seed, 1 + config.num_hidden_layers), std=config.initializer_range)
 
     def forward(self, x):
