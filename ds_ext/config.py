@@ -5,7 +5,7 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
 
     "seekspeed": {
       "recipe":     {"name": "deepseek_v3", "preset": "tiny", "overrides": {...}},
-      "schedule":   "1f1b" | "dualpipev",
+      "schedule":   "1f1b" | "dualpipev" | "dualpipev-zb",
       "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},

@@ -268,8 +268,9 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     control.stop_if_any_failed(error, rank=rank)
 
     ds_config = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    from .pipe.engine import initialize
+    engine = initialize(model=model, config=ds_config, schedule=s.schedule,
+                        model_parameters=[p for p in model.parameters() if p.requires_grad])
     if engine.has_moe_layers and rank == 0:
         print(f"moe: {model_config.n_routed_experts} routed experts per layer, expert-parallel degree "
               f"{s.moe.expert_parallel_size} ({model_config.n_routed_experts // s.moe.expert_parallel_size} per rank)",

@@ -47,7 +47,8 @@ def _pipeline_rank(schedule, stages, gas, overrides):
                  "gradient_clipping": 1.0, "steps_per_print": 10**6,
                  "optimizer": {"type": "AdamW", "params": OPT},
                  "zero_optimization": {"stage": 1}}
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
+    from ds_ext.pipe.engine import initialize
+    engine = initialize(model=model, config=ds_config, model_parameters=list(model.parameters()), schedule=schedule)
     data = _data(dp=dp, gas=gas, vocab=config.vocab_size)[:, model._grid.get_data_parallel_id()]
 
     def batches():
@@ -96,6 +97,11 @@ CASES = {
         "first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size": 48, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}),
     "dualpipev-pp2-mtp": dict(schedule="dualpipev", world=2, stages=2, gas=4, overrides={"num_mtp_layers": 1}),
+    "dualpipev-zb-pp2-tied": dict(schedule="dualpipev-zb", world=2, stages=2, gas=4,
+                                  overrides={"tie_word_embeddings": True}),
+    "dualpipev-zb-pp4-moe": dict(schedule="dualpipev-zb", world=4, stages=4, gas=8, overrides={
+        "num_hidden_layers": 8, "first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size": 48,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2}),
 }
 
 

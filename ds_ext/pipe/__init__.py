@@ -3,11 +3,14 @@
 - ``1f1b``: DeepSpeed's TrainSchedule on a PipelineModule.
 - ``dualpipev``: DeepSpeed's own DualPipeV (DualPipeVModule + DualPipeVEngine); each
   pipeline rank holds two stages, so the model is cut into 2 x stages parts.
+- ``dualpipev-zb``: DualPipeV with zero-bubble weight-gradient deferral, F&B chunks and
+  point-to-point transfers overlapped with compute (ds_ext/pipe/engine.py).
 """
 
 from ds_ext.errors import ConfigError
 
-SCHEDULES = ("1f1b", "dualpipev")
+SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
+DUALPIPEV_FAMILY = ("dualpipev", "dualpipev-zb")
 
 
 _CLASSES = {}
@@ -28,6 +31,7 @@ def pipeline_module_class(schedule):
 
         _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, PipelineModule), {})
         _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, DualPipeVModule), {})
+        _CLASSES["dualpipev-zb"] = _CLASSES["dualpipev"]
     return _CLASSES[check_schedule(schedule)]
 
 
@@ -39,19 +43,19 @@ def check_schedule(schedule):
 
 def virtual_stages(schedule, stages):
     """How many parts the layer list is cut into."""
-    return 2 * stages if check_schedule(schedule) == "dualpipev" else stages
+    return 2 * stages if check_schedule(schedule) in DUALPIPEV_FAMILY else stages
 
 
 def check_micro_batches(schedule, *, stages, micro_batches):
     """Schedules' constraints on gradient accumulation, checked before DeepSpeed starts."""
-    if schedule == "dualpipev" and micro_batches < 2 * stages:
-        raise ConfigError(f"dualpipev needs gradient_accumulation_steps >= 2 x pipeline.stages "
+    if schedule in DUALPIPEV_FAMILY and micro_batches < 2 * stages:
+        raise ConfigError(f"{schedule} needs gradient_accumulation_steps >= 2 x pipeline.stages "
                           f"({2 * stages}), got {micro_batches}: raise gradient_accumulation_steps "
                           f"(train_batch_size) or use schedule 1f1b")
 
 
 def data_stages(schedule, stages):
     """Pipeline stage ids whose ranks read training data (inputs and/or labels)."""
-    if schedule == "dualpipev":
+    if schedule in DUALPIPEV_FAMILY:
         return {0}  # rank 0 holds both the first stage and the loss stage
     return {0, stages - 1}
