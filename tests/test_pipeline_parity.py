@@ -99,6 +99,8 @@ CASES = {
     "dualpipev-pp2-mtp": dict(schedule="dualpipev", world=2, stages=2, gas=4, overrides={"num_mtp_layers": 1}),
     "dualpipev-zb-pp2-tied": dict(schedule="dualpipev-zb", world=2, stages=2, gas=4,
                                   overrides={"tie_word_embeddings": True}),
+    "dualpipe-pp2-tied": dict(schedule="dualpipe", world=2, stages=2, gas=4, overrides={"tie_word_embeddings": True}),
+    "dualpipe-pp4-dp1": dict(schedule="dualpipe", world=4, stages=4, gas=8, overrides={"num_hidden_layers": 8}),
     "dualpipev-zb-pp4-moe": dict(schedule="dualpipev-zb", world=4, stages=4, gas=8, overrides={
         "num_hidden_layers": 8, "first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size": 48,
         "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2}),

@@ -5,11 +5,13 @@
   pipeline rank holds two stages, so the model is cut into 2 x stages parts.
 - ``dualpipev-zb``: DualPipeV with zero-bubble weight-gradient deferral, F&B chunks and
   point-to-point transfers overlapped with compute (ds_ext/pipe/engine.py).
+- ``dualpipe``: bidirectional DualPipe; each rank holds stage r and a copy of stage
+  R-1-r (ds_ext/pipe/dualpipe.py). Even pipeline degree only.
 """
 
 from ds_ext.errors import ConfigError
 
-SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
+SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb", "dualpipe")
 DUALPIPEV_FAMILY = ("dualpipev", "dualpipev-zb")
 
 
@@ -32,6 +34,8 @@ def pipeline_module_class(schedule):
         _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, PipelineModule), {})
         _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, DualPipeVModule), {})
         _CLASSES["dualpipev-zb"] = _CLASSES["dualpipev"]
+        from .dualpipe import DualPipeModule
+        _CLASSES["dualpipe"] = type("SeekspeedDualPipeModule", (_ReportsLossParts, DualPipeModule), {})
     return _CLASSES[check_schedule(schedule)]
 
 
@@ -48,6 +52,13 @@ def virtual_stages(schedule, stages):
 
 def check_micro_batches(schedule, *, stages, micro_batches):
     """Schedules' constraints on gradient accumulation, checked before DeepSpeed starts."""
+    if schedule == "dualpipe":
+        if stages % 2:
+            raise ConfigError(f"dualpipe pairs rank r with rank R-1-r, so it needs an even pipeline.stages, got "
+                              f"{stages}: use an even degree or schedule dualpipev-zb")
+        if micro_batches % 2 or micro_batches < 2 * stages:
+            raise ConfigError(f"dualpipe sends half of the micro-batches each way and needs an even "
+                              f"gradient_accumulation_steps >= 2 x pipeline.stages ({2 * stages}), got {micro_batches}")
     if schedule in DUALPIPEV_FAMILY and micro_batches < 2 * stages:
         raise ConfigError(f"{schedule} needs gradient_accumulation_steps >= 2 x pipeline.stages "
                           f"({2 * stages}), got {micro_batches}: raise gradient_accumulation_steps "

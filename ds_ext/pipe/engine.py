@@ -49,6 +49,16 @@ class _TimedSchedule:
                 self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
 
 
+class _KeepAlive:
+    """A send's work handle and the tensor it reads, kept together until it completes."""
+
+    def __init__(self, work, tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self):
+        self.work.wait()
+
+
 class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
 
     def __init__(self, *args, zero_bubble=True, overlap_p2p=True, **kwargs):
@@ -103,6 +113,27 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
             else:
                 self._pending_recv.setdefault(key, []).append(work)
         self._p2p_ops, self._p2p_keys = [], []
+
+    def _send_tensor_meta(self, buffer, recv_stage):
+        """DeepSpeed's shape handshake, sent without blocking. Its blocking send
+        deadlocks when two ranks first send to each other at the same time (DualPipe's
+        two directions do); the receiver's blocking receive still gets it first, as it
+        precedes the data on the same link."""
+        from deepspeed.runtime.pipe import p2p
+        if not self._overlap or not p2p.can_send_recv():
+            return super()._send_tensor_meta(buffer, recv_stage)
+        import torch
+        from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE
+        tensors = [buffer] if torch.is_tensor(buffer) else list(buffer)
+        meta = [0] if torch.is_tensor(buffer) else [2, len(tensors)]
+        for t in tensors:
+            meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
+        if len(meta) > TENSOR_META_SIZE:
+            raise RuntimeError(f"tensor metadata needs {len(meta)} ints, DeepSpeed's buffer holds {TENSOR_META_SIZE}")
+        meta_buffer = torch.zeros(TENSOR_META_SIZE, dtype=torch.int32, device=self.device)
+        meta_buffer[:len(meta)] = torch.tensor(meta, dtype=torch.int32)
+        work = dist.isend(meta_buffer, self.grid.stage_to_global(stage_id=recv_stage))
+        self._pending_sends.append(_KeepAlive(work, meta_buffer))
 
     def _wait(self, key):
         for work in self._pending_recv.pop(key, ()):
@@ -175,6 +206,110 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     }
 
 
+class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
+    """Bidirectional DualPipe on DeepSpeed's engine (see ds_ext/pipe/dualpipe.py).
+
+    Both end ranks read every micro-batch of the step from the data iterator: the
+    first half travel in direction 0 (inputs on rank 0, labels and loss on rank R-1),
+    the second half in direction 1 (inputs on rank R-1, labels and loss on rank 0).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._step_batches = None
+        super().__init__(*args, **kwargs)
+        from .dualpipe import pair_groups
+        self._pair_group = pair_groups(self.grid, self.num_stages)
+
+    def _train_schedule(self):
+        from .dualpipe import DualPipeSchedule
+        return DualPipeSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _inference_schedule(self, micro_batches):
+        from .dualpipe import DualPipeSchedule
+        return DualPipeSchedule(micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id,
+                                forward_only=True)
+
+    def _is_loss_stage(self, phase):
+        return (self.stage_id == self.num_stages - 1 and phase == 0) or (self.stage_id == 0 and phase == 1)
+
+    def _is_first_stage_of(self, phase):
+        return (self.stage_id == 0 and phase == 0) or (self.stage_id == self.num_stages - 1 and phase == 1)
+
+    def _is_last_rank(self):
+        return False      # no V turn: each direction ends on an end rank
+
+    def is_last_stage(self):
+        phase = self._active_phase
+        if phase in (0, 1):
+            return self._is_loss_stage(phase)
+        return super().is_last_stage()
+
+    def is_first_stage(self):
+        phase = self._active_phase
+        if phase in (0, 1):
+            return self._is_first_stage_of(phase)
+        return self.stage_id == 0
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self.num_stages - 1)
+
+    def set_dataiterator(self, iterator):
+        """Both end ranks read data (each is a first stage and a loss stage)."""
+        if self.stage_id in (0, self.num_stages - 1):
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def _exec_load_micro_batch(self, buffer_id):
+        half = self.micro_batches // 2
+        if buffer_id in (0, half):        # the first load of the step on this end rank
+            self._step_batches = [self._next_batch() for _ in range(self.micro_batches)]
+            loss_direction = 0 if self.stage_id == self.num_stages - 1 else 1
+            for mb in range(half):
+                labels = self._step_batches[loss_direction * half + mb][1]
+                self.pipe_buffers["labels"][loss_direction * half + mb] = labels.to(self.device)
+        inputs = self._step_batches[buffer_id][0]
+        self.pipe_buffers["inputs"][buffer_id] = inputs.clone().to(self.device).detach()
+
+    def _exec_backward_pass(self, buffer_id, phase, zb=False):
+        super()._exec_backward_pass(buffer_id, phase, zb)
+        if self._is_first_stage_of(phase):
+            self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_reduce_grads(self):
+        from .dualpipe import sum_copy_gradients
+        sum_copy_gradients(self.module, self._pair_group)
+        super()._exec_reduce_grads()
+
+    def _aggregate_total_loss(self):
+        """Both end ranks hold half of the step's losses: sum them over the pipeline,
+        average over data-parallel replicas."""
+        import torch
+        parts = [self.total_loss if self.total_loss is not None else torch.zeros((), device=self.device)]
+        names = []
+        if self.total_additional_losses:
+            names = list(self.total_additional_losses)
+            parts += [self.total_additional_losses[n] for n in names]
+        elif self.module.get_additional_losses():
+            names = list(self.module.get_additional_losses())
+            parts += [torch.zeros((), device=self.device) for _ in names]
+        flat = torch.stack([p.detach().float().reshape(()) for p in parts])
+        dist.all_reduce(flat, group=self.grid.get_pipe_parallel_group())
+        flat = self._scale_loss_by_gas(flat)
+        self.dp_group_loss = flat[0].clone()
+        if self.is_data_parallel:
+            dist.all_reduce(flat, group=self.mpu.get_data_parallel_group())
+            flat /= self.dp_world_size
+        self.agg_additional_losses = ({n: flat[1 + i] for i, n in enumerate(names)} if names else None)
+        return flat[0]
+
+    _INSTRUCTION_MAP = {
+        **SeekspeedDualPipeVEngine._INSTRUCTION_MAP,
+        ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
+        ds_schedule.BackwardPass: _exec_backward_pass,
+        ds_schedule.ReduceGrads: _exec_reduce_grads,
+    }
+
+
 def _engine_class(schedule):
     from deepspeed.runtime.pipe.engine import PipelineEngine
     if schedule == "1f1b":
@@ -183,6 +318,8 @@ def _engine_class(schedule):
         return type("SeekspeedDualPipeVEngineAsIs", (_TimedSchedule, DualPipeVEngine), {}), {}
     if schedule == "dualpipev-zb":
         return SeekspeedDualPipeVEngine, {"zero_bubble": True, "overlap_p2p": True}
+    if schedule == "dualpipe":
+        return SeekspeedDualPipeEngine, {"zero_bubble": True, "overlap_p2p": True}
     raise ValueError(f"no engine for schedule {schedule!r}")
 
 
