@@ -28,6 +28,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in the checkpoint directory")
     p.add_argument("--summary-json", metavar="PATH", help="write the run summary (rank 0) to PATH")
+    p.add_argument("--pipe-trace", metavar="DIR",
+                   help="record every pipeline instruction of the last step and write a Chrome trace and a PNG "
+                        "timeline (one lane per rank) into DIR")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -300,7 +303,17 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     saved = []
     moe_stats, loss_parts = None, []
     for step in range(start + 1, total + 1):
+        traced = args.pipe_trace and step == total
+        if traced:
+            from .pipe.engine import InstructionTimeline
+            dist.barrier()
+            origin = time.perf_counter()
+            engine.timeline = InstructionTimeline()
         loss = engine.train_batch(batches).item()
+        if traced:
+            _write_pipe_trace(args.pipe_trace, engine, control, origin, rank=rank, stage=stage, dp_rank=dp_rank,
+                              title=f"{s.schedule}, {layout.pipe_stages} stages, {layout.grad_accum} micro-batches, "
+                                    f"step {step}")
         extra = None
         parts = engine.agg_additional_losses
         if parts and progress.is_log_step(step):
@@ -337,6 +350,22 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _write_pipe_trace(directory, engine, control, origin, *, rank, stage, dp_rank, title):
+    """Gather the traced step's instruction times of data-parallel replica 0 (one lane
+    per pipeline stage; times from a barrier just before the step) and write them."""
+    from .pipe.trace import from_engine_events, plot_timeline, write_chrome_trace
+    events = from_engine_events(engine.timeline.events, origin=origin) if dp_rank == 0 else None
+    engine.timeline = None
+    lanes = control.gather((stage, events))
+    if rank != 0:
+        return
+    lanes = [e for _, e in sorted((s, e) for s, e in lanes if e is not None)]
+    os.makedirs(directory, exist_ok=True)
+    write_chrome_trace(lanes, os.path.join(directory, "pipeline_trace.json"), name=title)
+    plot_timeline(lanes, os.path.join(directory, "pipeline_timeline.png"), title=title)
+    print(f"pipeline trace: {directory}/pipeline_trace.json, {directory}/pipeline_timeline.png", flush=True)
 
 
 def _moe_stats(control, loads, balance):

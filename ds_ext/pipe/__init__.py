@@ -31,11 +31,27 @@ def pipeline_module_class(schedule):
                 parts = getattr(self.loss_fn, "additional_losses", None)
                 return parts() if parts is not None else None
 
+        class _FastPhaseSwitch:
+            """DualPipeV switches phase around every compute instruction; its plain
+            attributes need not go through nn.Module.__setattr__'s module/parameter
+            bookkeeping (several hundred calls per step)."""
+
+            def activate_phase(self, phase):
+                set_ = object.__setattr__
+                set_(self, "active_phase", phase)
+                set_(self, "forward_funcs", self.phase_funcs[phase])
+                set_(self, "is_checkpointable_results", self.phase_checkpointable[phase])
+                start, stop = self.phase_bounds[phase]
+                set_(self, "_local_start", start)
+                set_(self, "_local_stop", stop)
+
         _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, PipelineModule), {})
-        _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, DualPipeVModule), {})
+        _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, _FastPhaseSwitch,
+                                                                  DualPipeVModule), {})
         _CLASSES["dualpipev-zb"] = _CLASSES["dualpipev"]
         from .dualpipe import DualPipeModule
-        _CLASSES["dualpipe"] = type("SeekspeedDualPipeModule", (_ReportsLossParts, DualPipeModule), {})
+        _CLASSES["dualpipe"] = type("SeekspeedDualPipeModule", (_ReportsLossParts, _FastPhaseSwitch, DualPipeModule),
+                                    {})
     return _CLASSES[check_schedule(schedule)]
 
 

@@ -61,6 +61,9 @@ class _KeepAlive:
 
 class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
 
+    # receives are posted this many CommitP2P groups ahead of their own (see _exec_schedule)
+    PREPOST_GROUPS = 2
+
     def __init__(self, *args, zero_bubble=True, overlap_p2p=True, **kwargs):
         self._zero_bubble = zero_bubble
         self._overlap = overlap_p2p
@@ -78,6 +81,42 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
             return super()._train_schedule()
         return schedules.DualPipeVZBSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
                                              stage_id=self.stage_id)
+
+    def _exec_schedule(self, pipe_schedule):
+        """Run the instructions in order, but post each receive up to PREPOST_GROUPS
+        CommitP2P groups early (once the tensor shapes are known, after the first
+        step). A gloo send completes only when its receive is posted, so a receive
+        posted when the compute that needs it is about to start leaves the transfer on
+        the critical path; posted early, it lands while the rank still computes. Per
+        link, receives keep their order, so they still pair with the same sends."""
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        cmds = [cmd for step in pipe_schedule.steps() for cmd in step]
+        commits = [i for i, cmd in enumerate(cmds) if isinstance(cmd, ds_schedule.CommitP2P)]
+        early = set()
+        prepost = self._overlap and self.PREPOST_GROUPS > 0 and None not in self._recv_specs
+        next_commit = 0
+        for i, cmd in enumerate(cmds):
+            if i in early:
+                continue
+            if prepost and isinstance(cmd, ds_schedule.CommitP2P):
+                while next_commit < len(commits) and commits[next_commit] <= i:
+                    next_commit += 1
+                horizon = commits[next_commit + self.PREPOST_GROUPS - 1] if next_commit + self.PREPOST_GROUPS - 1 < len(
+                    commits) else len(cmds)
+                for j in range(i + 1, horizon):
+                    if j not in early and isinstance(cmds[j], (ds_schedule.RecvActivation, ds_schedule.RecvGrad)):
+                        self._run_instruction(cmds[j])
+                        early.add(j)
+            self._run_instruction(cmd)
+
+    def _run_instruction(self, cmd):
+        if type(cmd) not in self._INSTRUCTION_MAP:
+            raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
+        start = time.perf_counter() if self.timeline is not None else 0.0
+        self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+        if self.timeline is not None:
+            self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
 
     # -- asynchronous point-to-point ----------------------------------------------------
 
@@ -136,8 +175,12 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
         self._pending_sends.append(_KeepAlive(work, meta_buffer))
 
     def _wait(self, key):
-        for work in self._pending_recv.pop(key, ()):
+        works = self._pending_recv.pop(key, ())
+        start = time.perf_counter() if self.timeline is not None and works else None
+        for work in works:
             work.wait()
+        if start is not None:
+            self.timeline.record("WaitRecv", {"key": list(key)}, start, time.perf_counter())
 
     def _wait_all(self):
         for works in self._pending_recv.values():
