@@ -204,3 +204,16 @@ def test_partition_method_is_checked_before_launch(tmp_path, capsys):
     assert "matches no layer" in _main_error(tmp_path, capsys, lambda c: c["pipeline"].update(partition="type:Foo"))
     assert "not a DeepSpeed partition method" in _main_error(
         tmp_path, capsys, lambda c: c["pipeline"].update(partition="balanced"))
+
+
+@pytest.mark.parametrize("mutate,world,expected", [
+    (lambda c: c.update(pipeline={"stages": 3}), 3, "dualpipe pairs rank r with rank R-1-r, so it needs an even"),
+    (lambda c: c.update(gradient_accumulation_steps=5), 4, "even gradient_accumulation_steps >= 2 x pipeline.stages"),
+    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 4,
+     "dualpipe does not support bf16 with fp32 gradient accumulation"),
+])
+def test_dualpipe_constraints(tmp_path, mutate, world, expected):
+    def both(c):
+        c["seekspeed"]["schedule"] = "dualpipe"
+        mutate(c)
+    assert expected in _error(tmp_path, both, world_size=world)

@@ -135,14 +135,21 @@ def test_data_failure_on_every_rank_is_reported_once(tmp_path):
 
 
 @pytest.mark.e2e
-def test_torchrun_dualpipev(tmp_path):
-    summary = tmp_path / "s.json"
+def test_torchrun_bidirectional_dualpipe_with_a_pipeline_trace(tmp_path):
+    summary, trace = tmp_path / "s.json", tmp_path / "trace"
+    cfg = _config(tmp_path, "tiny_dualpipev_cpu.json", lambda c: c["seekspeed"].update(schedule="dualpipe"))
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(free_port()), TRAIN, "--deepspeed", "ds_configs/tiny_dualpipev_cpu.json", "--steps", "3",
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-json", str(summary)])
+                 str(free_port()), TRAIN, "--deepspeed", cfg, "--steps", "3", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--summary-json", str(summary), "--pipe-trace", str(trace)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(summary.read_text())
-    assert s["layout"]["schedule"] == "dualpipev" and s["steps"] == 3
+    assert s["layout"]["schedule"] == "dualpipe" and s["steps"] == 3 and s["losses"][-1] < s["losses"][0]
+    events = json.loads((trace / "pipeline_trace.json").read_text())["traceEvents"]
+    lanes = {e["tid"] for e in events if e.get("ph") == "X"}
+    kinds = {e["cat"] for e in events if e.get("ph") == "X"}
+    assert lanes == {0, 1} and {"F", "B", "W"} <= kinds | {"Bi"} and "Bi" in kinds
+    png = (trace / "pipeline_timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 @pytest.mark.e2e
