@@ -107,6 +107,35 @@ class MoeSection:
 
 
 @dataclass(kw_only=True)
+class TopologySection:
+    # which DeepSpeed axis varies fastest over the ranks: "pipe-data" (DeepSpeed's: data-parallel
+    # groups on consecutive ranks), "data-pipe" (pipeline stages on consecutive ranks), "auto"
+    placement: str = "pipe-data"
+    # where the bandwidth matrix comes from: "launcher" (nodes as the launcher numbers them,
+    # speeds below), "hostfile", "nvidia-smi" (topo -m inside each node), "probe" (measured)
+    bandwidth: str = "launcher"
+    hostfile: str | None = None
+    intra_node_gbps: float = 150.0
+    inter_node_gbps: float = 25.0
+    probe_mbytes: int = 4
+
+    def check(self, where):
+        from ds_ext.topology.placement import PLACEMENTS
+        if self.placement not in PLACEMENTS + ("auto",):
+            raise ConfigError(f"{where}.placement {self.placement!r} is not one of {list(PLACEMENTS) + ['auto']}")
+        sources = ("launcher", "hostfile", "nvidia-smi", "probe")
+        if self.bandwidth not in sources:
+            raise ConfigError(f"{where}.bandwidth {self.bandwidth!r} is not one of {list(sources)}")
+        if self.bandwidth == "hostfile" and not self.hostfile:
+            raise ConfigError(f"{where}.bandwidth is \"hostfile\" but {where}.hostfile is not set")
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be positive (GB/s), got {getattr(self, name)}")
+        if self.probe_mbytes < 1:
+            raise ConfigError(f"{where}.probe_mbytes must be >= 1, got {self.probe_mbytes}")
+
+
+@dataclass(kw_only=True)
 class MtpSection:
     # weight of the MTP loss (DeepSeek-V3: 0.3, later 0.1); used when the recipe has num_mtp_layers = 1
     loss_weight: float = 0.3
@@ -122,6 +151,7 @@ class SeekspeedSection:
     schedule: str = "1f1b"
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
+    topology: TopologySection = field(default_factory=TopologySection)
     # a transformers-format directory (config.json + safetensors) to start from
     init_from: str | None = None
     data: DataSection = field(default_factory=DataSection)

@@ -84,6 +84,8 @@ def validate(args, *, world_size):
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide n_routed_experts "
                           f"{model_config.n_routed_experts}: choose a divisor of {model_config.n_routed_experts}")
     check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0))
+    from .topology.setup import check as check_topology
+    check_topology(s.topology, model_config=model_config)
     if model_config.max_position_embeddings < s.data.seq_len:
         raise ConfigError(f"seekspeed.data.seq_len {s.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model_config.max_position_embeddings}: lower seq_len or raise it in recipe.overrides")
@@ -192,7 +194,8 @@ def run(args):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     _single_process_env()
     if get_accelerator().device_name() == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        from .topology.setup import local_world_size
+        local = local_world_size(world_size)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
     else:
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -235,7 +238,17 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     if rank == 0:
         print(f"seekspeed: {s.recipe.name}/{s.recipe.preset} | {layout.describe()}", flush=True)
     torch.manual_seed(s.train.seed)
-    model = recipe.build_pipeline(model_config, num_stages=layout.pipe_stages, schedule=s.schedule,
+    from .topology.placement import deepspeed_topology
+    from .topology.setup import plan
+    from recipes.layers.pipe import stage_parameter_counts
+    stage_params = max(r["params"] for r in stage_parameter_counts(
+        recipe.layer_specs(model_config, seed=0), stages=layout.pipe_stages, schedule=s.schedule,
+        partition_method=_partition_method(cfg.ds, recipe)))
+    topo = plan(s.topology, layout=layout, model_config=model_config, ds=cfg.ds, stage_params=stage_params,
+                ep=s.moe.expert_parallel_size, log=(lambda msg: print(msg, flush=True)) if rank == 0 else (lambda m: None))
+    model = recipe.build_pipeline(model_config, topology=deepspeed_topology(topo.placement, pp=layout.pipe_stages,
+                                                                            dp=layout.data_parallel),
+                                  schedule=s.schedule,
                                   partition_method=_partition_method(cfg.ds, recipe),
                                   activation_checkpoint_interval=cfg.ds.get("pipeline", {}).get(
                                       "activation_checkpoint_interval", 0),

@@ -1,0 +1,111 @@
+"""What the trainer does with the topology section: build the bandwidth matrix,
+find the nodes (affinity groups), estimate a step's traffic and choose the rank
+placement; log the choice and its predicted traffic per link class."""
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from ds_ext.errors import ConfigError
+
+from . import bandwidth as bw
+from .placement import StepTraffic, choose, predict
+
+
+def local_world_size(world_size):
+    """Ranks per node as the launcher says (torchrun: LOCAL_WORLD_SIZE; DeepSpeed: LOCAL_SIZE)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return world_size
+
+
+def check(section, *, model_config, where="seekspeed.topology"):
+    """Checks that need no process group."""
+    if section.placement == "data-pipe" and model_config.num_moe_layers():
+        raise ConfigError(f"{where}.placement data-pipe cannot be used with MoE layers (DeepSpeed's expert groups "
+                          f"need each stage's ranks consecutive): use pipe-data or auto")
+    if section.bandwidth == "hostfile" and not os.path.isfile(section.hostfile):
+        raise ConfigError(f"{where}.hostfile {section.hostfile} does not exist")
+    if section.bandwidth == "nvidia-smi" and shutil.which("nvidia-smi") is None:
+        raise ConfigError(f"{where}.bandwidth is nvidia-smi but nvidia-smi is not on PATH: use launcher or probe")
+
+
+def bandwidth_matrix(section, *, world_size, log):
+    """The configured bandwidth matrix (``probe`` is collective: every rank calls it)."""
+    per_node = local_world_size(world_size)
+    if section.bandwidth == "probe":
+        return bw.probe(nbytes=section.probe_mbytes * 2**20, log=log)
+    if section.bandwidth == "hostfile":
+        with open(section.hostfile) as f:
+            m = bw.from_hostfile(f.read(), intra_gbps=section.intra_node_gbps, inter_gbps=section.inter_node_gbps,
+                                 path=section.hostfile)
+        if m.ranks != world_size:
+            raise ConfigError(f"{section.hostfile} lists {m.ranks} slots for {world_size} ranks: fix the hostfile")
+        return m
+    if section.bandwidth == "nvidia-smi":
+        text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, check=True).stdout
+        gpus = len(bw.parse_nvidia_smi_topo(text))
+        if per_node != gpus or world_size % gpus:
+            raise ConfigError(f"nvidia-smi shows {gpus} GPUs per node but the launcher runs {per_node} ranks per node")
+        return bw.from_nvidia_smi(text, nodes=world_size // gpus, inter_gbps=section.inter_node_gbps)
+    if world_size % per_node:
+        raise ConfigError(f"{world_size} ranks are not whole nodes of {per_node}")
+    return bw.from_nodes([per_node] * (world_size // per_node), intra_gbps=section.intra_node_gbps,
+                         inter_gbps=section.inter_node_gbps, source="launcher")
+
+
+def estimate_traffic(*, model_config, layout, ds, stage_params, ep):
+    """Bytes per optimizer step for the placement model, from the model and the batch."""
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    fp32_grads = (not bf16) or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+    act = 2 if bf16 else 4
+    tokens = layout.micro_batch * layout.seq_len
+    expert = 0.0
+    if ep > 1 and model_config.num_moe_layers():
+        moe_per_stage = model_config.num_moe_layers() / layout.pipe_stages
+        expert = (tokens * layout.grad_accum * model_config.hidden_size * model_config.num_experts_per_tok * act
+                  * moe_per_stage)
+    return StepTraffic(gradient_bytes=stage_params * (4 if fp32_grads else 2),
+                       activation_bytes=tokens * model_config.hidden_size * act, micro_batches=layout.grad_accum,
+                       expert_bytes=expert)
+
+
+@dataclass
+class TopologyPlan:
+    placement: str
+    node_of: list
+    intra_gbps: float
+    inter_gbps: float
+    predictions: list
+    source: str
+
+
+def plan(section, *, layout, model_config, ds, stage_params, ep, log):
+    """Choose the placement; collective when the bandwidth is probed."""
+    matrix = bandwidth_matrix(section, world_size=layout.world_size, log=log)
+    groups = matrix.affinity_groups()
+    node_of = [0] * matrix.ranks
+    for k, ranks in enumerate(groups):
+        for r in ranks:
+            node_of[r] = k
+    intra, inter = matrix.link_classes(groups)
+    intra = intra if intra != float("inf") else section.intra_node_gbps
+    inter = inter if inter != float("inf") else section.inter_node_gbps
+    traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, ep=ep)
+    kwargs = dict(pp=layout.pipe_stages, dp=layout.data_parallel, ep=ep, traffic=traffic, node_of=node_of,
+                  intra_gbps=intra, inter_gbps=inter)
+    if section.placement == "auto":
+        best, predictions = choose(moe=model_config.num_moe_layers() > 0, **kwargs)
+    else:
+        best = predict(section.placement, **kwargs)
+        predictions = [best] + ([predict(p, **kwargs) for p in ("pipe-data", "data-pipe") if p != best.placement]
+                                if not model_config.num_moe_layers() else [])
+    sizes = sorted({len(g) for g in groups})
+    log(f"topology: {len(groups)} node(s) of {'/'.join(map(str, sizes))} ranks ({matrix.source}), links "
+        f"{intra:g} GB/s inside, {inter:g} GB/s between; placement {best.placement}"
+        f"{' (auto)' if section.placement == 'auto' else ''}")
+    for p in sorted(predictions, key=lambda p: p.seconds):
+        log(f"  {'*' if p is best else ' '} {p.describe()}")
+    return TopologyPlan(best.placement, node_of, intra, inter, predictions, matrix.source)
