@@ -118,6 +118,8 @@ class TopologySection:
     intra_node_gbps: float = 150.0
     inter_node_gbps: float = 25.0
     probe_mbytes: int = 4
+    # a rank's sustained compute (TFLOP/s), to tell when a pipeline link is slower than the compute it feeds
+    compute_tflops: float = 400.0
 
     def check(self, where):
         from ds_ext.topology.placement import PLACEMENTS
@@ -128,9 +130,9 @@ class TopologySection:
             raise ConfigError(f"{where}.bandwidth {self.bandwidth!r} is not one of {list(sources)}")
         if self.bandwidth == "hostfile" and not self.hostfile:
             raise ConfigError(f"{where}.bandwidth is \"hostfile\" but {where}.hostfile is not set")
-        for name in ("intra_node_gbps", "inter_node_gbps"):
+        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name} must be positive (GB/s), got {getattr(self, name)}")
+                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
         if self.probe_mbytes < 1:
             raise ConfigError(f"{where}.probe_mbytes must be >= 1, got {self.probe_mbytes}")
 

@@ -105,14 +105,25 @@ def test_placement_puts_gradients_on_fast_links_when_they_dominate():
 
 
 def test_placement_puts_the_pipeline_on_fast_links_when_activations_dominate():
-    """A small model, long sequences, many micro-batches: the stages of a replica
-    belong on one node."""
-    traffic = StepTraffic(gradient_bytes=1e7, activation_bytes=5e8, micro_batches=64)
+    """A small model, long sequences, many micro-batches, fast compute: the slow link
+    cannot keep up with the pipeline, so the stages of a replica belong on one node."""
+    traffic = StepTraffic(gradient_bytes=1e7, activation_bytes=5e8, micro_batches=64, compute_seconds=0.001)
     best, _ = choose(pp=4, dp=4, traffic=traffic, ranks_per_node=4, intra_gbps=150, inter_gbps=25)
     assert best.placement == "data-pipe"
     # with MoE layers DeepSpeed's expert groups need its own order
     moe, preds = choose(pp=4, dp=4, moe=True, traffic=traffic, ranks_per_node=4, intra_gbps=150, inter_gbps=25)
     assert moe.placement == "pipe-data" and len(preds) == 1
+
+
+def test_overlapped_pipeline_traffic_weighs_less_than_a_blocking_all_reduce():
+    """Fewer bytes across nodes is not always faster: pipeline transfers hide behind
+    compute, the gradient all-reduce does not (the case benchmarks/topology_cluster.py
+    measures: 2 x 2 ranks, tiny recipe, 512-token sequences, 25 MB/s links)."""
+    traffic = StepTraffic(gradient_bytes=1.9e6, activation_bytes=5.2e5, micro_batches=4, compute_seconds=0.1)
+    kw = dict(pp=2, dp=2, traffic=traffic, ranks_per_node=2, intra_gbps=50.0, inter_gbps=0.025)
+    pipe_data, data_pipe = predict("pipe-data", **kw), predict("data-pipe", **kw)
+    assert pipe_data.bytes_by_class["inter"] > data_pipe.bytes_by_class["inter"]
+    assert choose(**kw)[0].placement == "pipe-data"
 
 
 def test_flows_count_every_group():

@@ -7,16 +7,18 @@ node when they fit; ``data-pipe`` (pipe fastest) puts the stages of each replica
 consecutive ranks instead. The launcher fills nodes with consecutive ranks, so the
 order decides whose traffic crosses the slow inter-node links.
 
-The cost model counts each group's bytes per optimizer step on every link it uses:
-- data parallel: a ring all-reduce of the stage's gradients, 2 (n-1)/n x the
-  gradient bytes over each ring edge;
-- pipeline: each micro-batch's activations forward and their gradients backward
-  between neighbouring stages of a replica;
+The cost model counts each group's bytes per optimizer step on every link it uses,
+and how much of that time the step waits for:
+- data parallel: a ring all-reduce of the stage's gradients (2 (n-1)/n x the
+  gradient bytes over each ring edge) at the end of the step, all of it waited for;
 - expert parallel: the routed tokens' all-to-all (dispatch and combine, forward and
-  backward) spread over the expert-parallel peers;
-and predicts, per node, the time to move its ranks' inter-node bytes over its link
-and its intra-node bytes over the node's fabric; the placement with the smaller
-worst node wins.
+  backward) inside the layers, all of it waited for;
+- pipeline: each micro-batch's activations forward and gradients backward between
+  neighbouring stages. These overlap with the other micro-batches' compute, so the
+  step waits only for one micro-batch's transfers per boundary (pipeline fill and
+  drain) plus, where a link is slower than the compute it feeds, the difference for
+  every micro-batch.
+The prediction is the busiest node's waiting time; the smaller one wins.
 """
 
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ class StepTraffic:
     activation_bytes: float        # one micro-batch's activation between two stages
     micro_batches: int
     expert_bytes: float = 0.0      # one rank's routed-token payload per step (one direction, one pass)
+    compute_seconds: float = 0.0   # one stage's forward + backward of one micro-batch
 
 
 @dataclass(kw_only=True)
@@ -42,7 +45,7 @@ class Prediction:
     def describe(self):
         mb = {k: v / 1e6 for k, v in self.bytes_by_class.items()}
         return (f"{self.placement}: {mb.get('intra', 0):,.1f} MB intra-node, {mb.get('inter', 0):,.1f} MB inter-node "
-                f"per step; predicted {self.seconds * 1e3:.1f} ms of transfers on the busiest node")
+                f"per step; predicted wait for transfers {self.seconds * 1e3:.1f} ms on the busiest node")
 
 
 def rank_of(placement, *, stage, data, pp, dp):
@@ -53,20 +56,20 @@ def rank_of(placement, *, stage, data, pp, dp):
     raise ValueError(f"unknown placement {placement!r}; choose one of {list(PLACEMENTS)}")
 
 
-def flows(placement, *, pp, dp, ep, traffic):
+def flows(placement, *, pp, dp, ep, traffic, kinds=("data", "pipe", "expert")):
     """(rank_a, rank_b, bytes) for every link the step uses (both directions summed)."""
     out = []
-    for stage in range(pp):   # data parallel ring per stage
+    for stage in range(pp if "data" in kinds else 0):   # data parallel ring per stage
         ring = [rank_of(placement, stage=stage, data=d, pp=pp, dp=dp) for d in range(dp)]
         if dp > 1:
             per_edge = 2 * (dp - 1) / dp * traffic.gradient_bytes
             out += [(ring[i], ring[(i + 1) % dp], per_edge) for i in range(dp)]
-    for data in range(dp):   # pipeline neighbours per replica
+    for data in range(dp if "pipe" in kinds else 0):   # pipeline neighbours per replica
         for stage in range(pp - 1):
             a = rank_of(placement, stage=stage, data=data, pp=pp, dp=dp)
             b = rank_of(placement, stage=stage + 1, data=data, pp=pp, dp=dp)
             out.append((a, b, 2 * traffic.micro_batches * traffic.activation_bytes))
-    if ep > 1 and traffic.expert_bytes:   # expert all-to-all inside each group of ep consecutive replicas
+    if "expert" in kinds and ep > 1 and traffic.expert_bytes:   # expert all-to-all inside each group of ep consecutive replicas
         for stage in range(pp):
             for first in range(0, dp, ep):
                 members = [rank_of(placement, stage=stage, data=d, pp=pp, dp=dp) for d in range(first, first + ep)]
@@ -76,21 +79,30 @@ def flows(placement, *, pp, dp, ep, traffic):
 
 
 def predict(placement, *, pp, dp, ep=1, traffic, ranks_per_node=None, node_of=None, intra_gbps, inter_gbps):
-    """Predicted communication time per step for ``placement``; nodes are given as
-    ``ranks_per_node`` (consecutive ranks) or ``node_of`` (node of each rank)."""
+    """Predicted waiting for transfers per step for ``placement`` (see the module
+    docstring); nodes are ``ranks_per_node`` consecutive ranks, or ``node_of``."""
     node = list(node_of) if node_of is not None else [r // ranks_per_node for r in range(pp * dp)]
     nodes = max(node) + 1
-    inter, intra = [0.0] * nodes, [0.0] * nodes
+    speed = {True: intra_gbps * 1e9, False: inter_gbps * 1e9}     # key: same node?
     totals = {"intra": 0.0, "inter": 0.0}
-    for a, b, nbytes in flows(placement, pp=pp, dp=dp, ep=ep, traffic=traffic):
-        if node[a] == node[b]:
-            intra[node[a]] += nbytes
-            totals["intra"] += nbytes
-        else:
-            inter[node[a]] += nbytes / 2   # each end sends its half of a two-way flow
-            inter[node[b]] += nbytes / 2
-            totals["inter"] += nbytes
-    seconds = max(inter[k] / (inter_gbps * 1e9) + intra[k] / (intra_gbps * 1e9) for k in range(nodes))
+    blocking = [0.0] * nodes        # data- and expert-parallel seconds each node's link is busy
+    for a, b, nbytes in flows(placement, pp=pp, dp=dp, ep=ep, traffic=traffic, kinds=("data", "expert")):
+        same = node[a] == node[b]
+        totals["intra" if same else "inter"] += nbytes
+        for k in {node[a], node[b]}:
+            blocking[k] += nbytes / 2 / speed[same]
+    pipeline = [0.0] * nodes
+    per_mb = [0.0] * nodes          # pipeline bytes one micro-batch puts on each node's link
+    for a, b, nbytes in flows(placement, pp=pp, dp=dp, ep=ep, traffic=traffic, kinds=("pipe",)):
+        same = node[a] == node[b]
+        totals["intra" if same else "inter"] += nbytes
+        one = nbytes / traffic.micro_batches
+        for k in {node[a], node[b]}:
+            pipeline[k] += one / speed[same] / 2           # fill and drain: one micro-batch per boundary
+            if not same:
+                per_mb[k] += one / 2 / speed[same]
+    seconds = max(blocking[k] + pipeline[k]
+                  + traffic.micro_batches * max(0.0, per_mb[k] - traffic.compute_seconds) for k in range(nodes))
     return Prediction(placement=placement, seconds=seconds, bytes_by_class=totals)
 
 

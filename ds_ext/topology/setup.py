@@ -56,7 +56,7 @@ def bandwidth_matrix(section, *, world_size, log):
                          inter_gbps=section.inter_node_gbps, source="launcher")
 
 
-def estimate_traffic(*, model_config, layout, ds, stage_params, ep):
+def estimate_traffic(*, model_config, layout, ds, stage_params, ep, compute_tflops):
     """Bytes per optimizer step for the placement model, from the model and the batch."""
     bf16 = ds.get("bf16", {}).get("enabled", False)
     fp32_grads = (not bf16) or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
@@ -67,9 +67,11 @@ def estimate_traffic(*, model_config, layout, ds, stage_params, ep):
         moe_per_stage = model_config.num_moe_layers() / layout.pipe_stages
         expert = (tokens * layout.grad_accum * model_config.hidden_size * model_config.num_experts_per_tok * act
                   * moe_per_stage)
+    # forward + backward of one micro-batch on one stage: 6 FLOPs per parameter and token
+    compute = 6 * stage_params * tokens / (compute_tflops * 1e12)
     return StepTraffic(gradient_bytes=stage_params * (4 if fp32_grads else 2),
                        activation_bytes=tokens * model_config.hidden_size * act, micro_batches=layout.grad_accum,
-                       expert_bytes=expert)
+                       expert_bytes=expert, compute_seconds=compute)
 
 
 @dataclass
@@ -93,7 +95,8 @@ def plan(section, *, layout, model_config, ds, stage_params, ep, log):
     intra, inter = matrix.link_classes(groups)
     intra = intra if intra != float("inf") else section.intra_node_gbps
     inter = inter if inter != float("inf") else section.inter_node_gbps
-    traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, ep=ep)
+    traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, ep=ep,
+                               compute_tflops=section.compute_tflops)
     kwargs = dict(pp=layout.pipe_stages, dp=layout.data_parallel, ep=ep, traffic=traffic, node_of=node_of,
                   intra_gbps=intra, inter_gbps=inter)
     if section.placement == "auto":
