@@ -138,6 +138,59 @@ class TopologySection:
 
 
 @dataclass(kw_only=True)
+class CommSection:
+    # the data-parallel gradient reduction: "none" (DeepSpeed's own, untouched), "fp32" (dense
+    # through seekspeed's chunked/hierarchical path), "bf16"/"fp16" (cast), "int8", "topk", "powersgd"
+    compressor: str = "none"
+    # topk
+    ratio: float = 0.01
+    selection: str = "sampled"      # "exact" (torch.topk) or "sampled" (DGC threshold from a sample)
+    sample_ratio: float = 0.01
+    momentum: float = 0.0           # DGC momentum correction (for SGD without momentum of its own)
+    # powersgd
+    rank: int = 4
+    # int8
+    block_size: int = 256
+    # all lossy compressors
+    error_feedback: bool = True
+    warmup_steps: int = 0           # dense optimizer steps before compressing
+    min_numel: int = 16384          # smaller tensors go dense
+    # arrangement
+    chunk_mb: float = 16.0          # fp32 MB of gradient per chunk; chunks are pipelined
+    pipeline_depth: int = 2         # chunks in flight
+    hierarchical: bool = False      # dense inside a node, compressed across nodes on the rails
+
+    def check(self, where):
+        from ds_ext.comm.compressors import COMPRESSORS
+        if self.compressor not in COMPRESSORS:
+            close = difflib.get_close_matches(str(self.compressor), COMPRESSORS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}.compressor {self.compressor!r} is unknown{hint}; choose one of "
+                              f"{list(COMPRESSORS)}")
+        if not 0 < self.ratio <= 1:
+            raise ConfigError(f"{where}.ratio must be in (0, 1] (the fraction of entries top-k keeps), "
+                              f"got {self.ratio}")
+        if self.selection not in ("exact", "sampled"):
+            raise ConfigError(f"{where}.selection {self.selection!r} is not one of ['exact', 'sampled']")
+        if not 0 < self.sample_ratio <= 1:
+            raise ConfigError(f"{where}.sample_ratio must be in (0, 1], got {self.sample_ratio}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"{where}.momentum must be in [0, 1) (0 turns momentum correction off), "
+                              f"got {self.momentum}")
+        if self.rank < 1:
+            raise ConfigError(f"{where}.rank must be >= 1 (the PowerSGD approximation rank), got {self.rank}")
+        if self.block_size < 1:
+            raise ConfigError(f"{where}.block_size must be >= 1, got {self.block_size}")
+        for name in ("warmup_steps", "min_numel"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
+        if self.chunk_mb <= 0:
+            raise ConfigError(f"{where}.chunk_mb must be positive, got {self.chunk_mb}")
+        if self.pipeline_depth < 1:
+            raise ConfigError(f"{where}.pipeline_depth must be >= 1, got {self.pipeline_depth}")
+
+
+@dataclass(kw_only=True)
 class MtpSection:
     # weight of the MTP loss (DeepSeek-V3: 0.3, later 0.1); used when the recipe has num_mtp_layers = 1
     loss_weight: float = 0.3
@@ -154,6 +207,7 @@ class SeekspeedSection:
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
     topology: TopologySection = field(default_factory=TopologySection)
+    comm: CommSection = field(default_factory=CommSection)
     # a transformers-format directory (config.json + safetensors) to start from
     init_from: str | None = None
     data: DataSection = field(default_factory=DataSection)

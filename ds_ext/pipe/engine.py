@@ -355,26 +355,37 @@ class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
 
 def _engine_class(schedule):
     from deepspeed.runtime.pipe.engine import PipelineEngine
+    from ds_ext.comm.install import CompressedReduction
     if schedule == "1f1b":
-        return type("SeekspeedPipelineEngine", (_TimedSchedule, PipelineEngine), {}), {}
-    if schedule == "dualpipev":
-        return type("SeekspeedDualPipeVEngineAsIs", (_TimedSchedule, DualPipeVEngine), {}), {}
-    if schedule == "dualpipev-zb":
-        return SeekspeedDualPipeVEngine, {"zero_bubble": True, "overlap_p2p": True}
-    if schedule == "dualpipe":
-        return SeekspeedDualPipeEngine, {"zero_bubble": True, "overlap_p2p": True}
-    raise ValueError(f"no engine for schedule {schedule!r}")
+        base, extra = (_TimedSchedule, PipelineEngine), {}
+    elif schedule == "dualpipev":
+        base, extra = (_TimedSchedule, DualPipeVEngine), {}
+    elif schedule == "dualpipev-zb":
+        base, extra = (SeekspeedDualPipeVEngine, ), {"zero_bubble": True, "overlap_p2p": True}
+    elif schedule == "dualpipe":
+        base, extra = (SeekspeedDualPipeEngine, ), {"zero_bubble": True, "overlap_p2p": True}
+    else:
+        raise ValueError(f"no engine for schedule {schedule!r}")
+    names = {"1f1b": "SeekspeedPipelineEngine", "dualpipev": "SeekspeedDualPipeVEngineAsIs"}
+    name = names.get(schedule, base[0].__name__)
+    # CompressedReduction first: it falls through to DeepSpeed's reduction unless a reducer is installed
+    return type(name, (CompressedReduction, ) + base, {}), extra
 
 
-def initialize(*, model, config, model_parameters, schedule):
+def initialize(*, model, config, model_parameters, schedule, comm=None, node_of=None, log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
-    needs. Follows deepspeed.initialize's pipeline branch (config parsed with the
-    module's grid as mpu, optimizer flags, engine), which has no hook for choosing
-    the engine class. Returns the engine."""
+    needs and, when ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
+    compressed gradient reduction. Follows deepspeed.initialize's pipeline branch
+    (config parsed with the module's grid as mpu, optimizer flags, engine), which has
+    no hook for choosing the engine class. Returns the engine."""
+    import copy
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime import zero
+    from ds_ext.comm.install import install, prepare_config
     engine_cls, extra = _engine_class(schedule)
+    if comm is not None and comm.compressor != "none":
+        config = prepare_config(copy.deepcopy(config), comm, log=log if dist.get_rank() == 0 else (lambda _: None))
     zero.partition_parameters.shutdown_init_context()
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)
@@ -384,4 +395,6 @@ def initialize(*, model, config, model_parameters, schedule):
                         config=config, config_class=config_class, **extra)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
+    if comm is not None:
+        install(engine, comm, node_of=node_of, log=log)
     return engine

@@ -14,32 +14,47 @@ import torch.distributed as tdist
 
 
 class NodeGroups:
-    """``node_of[r]`` is the node of global rank r; every node has the same number of
-    ranks. Collective: every rank constructs it (it creates process groups)."""
+    """``node_of[r]`` is the node of global rank r. The groups are formed among
+    ``ranks`` (all ranks by default; a data-parallel group, say), every node holding the
+    same number of them. Collective: every rank of the world constructs it (it creates
+    process groups); ``member`` tells whether this rank is among ``ranks``."""
 
-    def __init__(self, node_of):
-        nodes = sorted(set(node_of))
-        members = {k: [r for r, n in enumerate(node_of) if n == k] for k in nodes}
+    def __init__(self, node_of, ranks=None):
+        ranks = list(range(len(node_of))) if ranks is None else sorted(ranks)
+        nodes = sorted({node_of[r] for r in ranks})
+        members = {k: [r for r in ranks if node_of[r] == k] for k in nodes}
         sizes = {len(m) for m in members.values()}
         if len(sizes) != 1:
-            raise ValueError(f"nodes hold different numbers of ranks ({sorted(sizes)}): rails need equal nodes")
+            raise ValueError(f"nodes hold different numbers of the ranks {ranks} "
+                             f"({ {k: len(m) for k, m in members.items()} }): rails need equal nodes")
         self.rank = tdist.get_rank()
+        self.member = self.rank in ranks
         self.node_members = [members[k] for k in nodes]
         self.local_size = sizes.pop()
         self.num_nodes = len(nodes)
-        mine = node_of[self.rank]
-        self.node_ranks = members[mine]
-        self.local_rank = self.node_ranks.index(self.rank)
+        self.node_ranks = members[node_of[self.rank]] if self.member else []
+        self.local_rank = self.node_ranks.index(self.rank) if self.member else None
         self.intra_group, self.rail_group = None, None
-        for ranks in self.node_members:
-            group = tdist.new_group(ranks=ranks)
-            if self.rank in ranks:
+        for group_ranks in self.node_members:
+            group = tdist.new_group(ranks=group_ranks)
+            if self.rank in group_ranks:
                 self.intra_group = group
         self.rails = [[m[j] for m in self.node_members] for j in range(self.local_size)]
-        for ranks in self.rails:
-            group = tdist.new_group(ranks=ranks)
-            if self.rank in ranks:
+        for group_ranks in self.rails:
+            group = tdist.new_group(ranks=group_ranks)
+            if self.rank in group_ranks:
                 self.rail_group = group
+
+    @classmethod
+    def for_subsets(cls, node_of, subsets):
+        """Node and rail groups inside each of ``subsets`` (every data-parallel group,
+        say); this rank's. Collective over the world."""
+        mine = None
+        for ranks in subsets:
+            groups = cls(node_of, ranks)
+            if groups.member:
+                mine = groups
+        return mine
 
     @classmethod
     def contiguous(cls, world_size, ranks_per_node):

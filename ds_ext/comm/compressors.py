@@ -1,0 +1,286 @@
+"""Gradient compressors.
+
+A compressor turns one rank's part of a gradient into what goes on the wire and
+the peers' parts back into their sum. ``exchange(key, views, group)`` is a
+generator: it yields the collectives it needs (``Collective``), the driver in
+``reducer.py`` runs them asynchronously and resumes it when they are done, and it
+ends with the sum over the group's ranks written into ``views`` in place. Written as
+generators, several chunks can be in flight at once: chunk i+1 is compressed while
+chunk i is on the wire.
+
+State (error-feedback residuals, PowerSGD's warm-start Q, DGC momentum) is kept per
+``key``: the driver cuts the gradient the same way every step, so a key always names
+the same elements.
+
+A non-finite value anywhere in a rank's input makes the whole output non-finite on
+every rank (each payload carries a flag), so DeepSpeed's overflow check sees it as
+it would without compression; the state is then left as it was, as the step will be
+skipped.
+"""
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Collective:
+    """One collective the driver runs: ``all_reduce`` (sum ``tensor`` in place),
+    ``all_gather`` (fill ``out`` with every rank's ``tensor``), ``broadcast`` (from
+    global rank ``src``) or ``noop`` (keeps ranks that skip a phase in step)."""
+    kind: str
+    tensor: torch.Tensor | None = None
+    group: object = None
+    out: list = field(default_factory=list)
+    src: int = 0
+
+
+def _poison(views):
+    for v in views:
+        v.fill_(float("nan"))
+
+
+class Dense:
+    """No compression, or a cast to 16 bits for the wire (``bf16``, ``fp16``)."""
+    phases = 1
+    per_tensor = False
+
+    def __init__(self, dtype=torch.float32):
+        self.dtype = dtype
+        self.lossy = dtype != torch.float32
+
+    def wants(self, shape):
+        return True
+
+    def exchange(self, key, views, group):
+        (flat,) = views
+        if self.dtype == torch.float32:
+            yield Collective("all_reduce", flat, group)
+            return
+        wire = flat.to(self.dtype)
+        yield Collective("all_reduce", wire, group)
+        flat.copy_(wire)
+
+
+class TopK:
+    """Keep ``ratio`` of the entries, the largest in magnitude; the sparse all-reduce is
+    an all-gather of (value, index) pairs summed locally.
+
+    ``selection``: ``exact`` is torch.topk over the chunk; ``sampled`` (DGC) takes the
+    threshold from the top entries of a random sample and selects by threshold, with an
+    exact top-k only over the few candidates when the threshold lets through too many.
+    ``error_feedback`` adds what was not sent to the next step's gradient.
+    ``momentum`` > 0 is DGC's momentum correction: the momentum is accumulated locally
+    and selected from, so it is meant for plain SGD (an optimizer with its own momentum
+    would apply it twice).
+    """
+    phases = 1
+    per_tensor = False
+    lossy = True
+
+    def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
+                 seed=0):
+        self.ratio, self.selection, self.sample_ratio = ratio, selection, sample_ratio
+        self.error_feedback, self.momentum = error_feedback, momentum
+        self.state = {}
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def wants(self, shape):
+        return True
+
+    def count(self, numel):
+        return max(1, int(math.ceil(numel * self.ratio)))
+
+    def select(self, acc, k):
+        """Indices of (at most) the k largest |acc|."""
+        mag = acc.abs()
+        n = mag.numel()
+        if self.selection == "exact" or k * 8 >= n:
+            return torch.topk(mag, k, sorted=False).indices
+        samples = min(n, max(int(n * self.sample_ratio), 64 * int(math.ceil(1 / self.ratio))))
+        pick = torch.randint(n, (samples,), generator=self.generator)
+        threshold = torch.topk(mag[pick], max(1, int(math.ceil(samples * self.ratio))), sorted=False).values.min()
+        idx = torch.nonzero(mag >= threshold).view(-1)
+        if idx.numel() > k:
+            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
+        return idx
+
+    def exchange(self, key, views, group):
+        (flat,) = views
+        n = flat.numel()
+        k = self.count(n)
+        st = self.state.get(key)
+        if self.momentum > 0:
+            u = st["u"] * self.momentum + flat if st else flat.clone()
+            acc = (st["v"] + u) if st else u.clone()
+        else:
+            if self.error_feedback:
+                acc = flat + st["residual"] if st else flat.clone()
+            else:
+                acc = flat
+        finite = bool(torch.isfinite(acc).all())
+        payload = torch.zeros(2 * k + 1)
+        if finite:
+            idx = self.select(acc, k)
+            payload[:idx.numel()] = acc[idx]
+            payload[k:k + idx.numel()] = idx.to(torch.int32).view(torch.float32)
+        else:
+            payload[-1] = float("nan")
+        out = [torch.empty_like(payload) for _ in range(torch.distributed.get_world_size(group))]
+        yield Collective("all_gather", payload, group, out=out)
+        gathered = torch.stack(out)
+        if not bool(torch.isfinite(gathered[:, -1]).all()):
+            _poison(views)
+            return
+        values = gathered[:, :k].reshape(-1)
+        indices = gathered[:, k:2 * k].contiguous().view(torch.int32).reshape(-1).long()
+        flat.zero_().index_add_(0, indices, values)
+        # state: what was sent leaves the accumulators (padding slots carried zeros and are not in idx)
+        if self.momentum > 0:
+            acc[idx] = 0.0
+            u[idx] = 0.0
+            self.state[key] = {"u": u, "v": acc}
+        elif self.error_feedback:
+            acc[idx] = 0.0
+            self.state[key] = {"residual": acc}
+
+
+class Int8:
+    """Block-wise int8: one fp32 scale (max |x| / 127) per ``block_size`` entries; the
+    all-reduce is an all-gather of codes and scales, dequantised and summed locally."""
+    phases = 1
+    per_tensor = False
+    lossy = True
+
+    def __init__(self, *, block_size=256, error_feedback=True):
+        self.block_size, self.error_feedback = block_size, error_feedback
+        self.state = {}
+
+    def wants(self, shape):
+        return True
+
+    def exchange(self, key, views, group):
+        (flat,) = views
+        n, b = flat.numel(), self.block_size
+        blocks = -(-n // b)
+        st = self.state.get(key)
+        acc = flat + st["residual"] if st is not None and self.error_feedback else flat.clone()
+        padded = torch.zeros(blocks * b)
+        padded[:n] = acc
+        rows = padded.view(blocks, b)
+        scale = rows.abs().amax(dim=1) / 127.0
+        finite = bool(torch.isfinite(scale).all())
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8) if finite else \
+            torch.zeros(blocks, b, dtype=torch.int8)
+        head = torch.cat([scale if finite else torch.full_like(scale, float("nan")), torch.zeros(1)])
+        payload = torch.cat([head.view(torch.uint8), codes.view(-1).view(torch.uint8)])
+        out = [torch.empty_like(payload) for _ in range(torch.distributed.get_world_size(group))]
+        yield Collective("all_gather", payload, group, out=out)
+        head_bytes = (blocks + 1) * 4
+        scales = torch.stack([p[:head_bytes].view(torch.float32)[:blocks] for p in out])
+        if not bool(torch.isfinite(scales).all()):
+            _poison(views)
+            return
+        total = torch.zeros(blocks, b)
+        for r, p in enumerate(out):
+            total += p[head_bytes:].view(torch.int8).view(blocks, b).float() * scales[r][:, None]
+        flat.copy_(total.view(-1)[:n])
+        if self.error_feedback:
+            mine = codes.float() * scale[:, None]
+            self.state[key] = {"residual": acc - mine.view(-1)[:n]}
+
+
+def _orthonormalise(p):
+    """Columns of p made orthonormal (reduced QR)."""
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    return q
+
+
+class PowerSGD:
+    """Rank-``rank`` approximation M ~ P Q^T of each gradient matrix, one power
+    iteration per step with Q warm-started from the last step (Vogels et al. 2019):
+    P = M Q, all-reduce P, orthonormalise, Q = M^T P, all-reduce Q. Matrices where
+    (rows + cols) x rank is not well below rows x cols go dense (``wants``)."""
+    phases = 2
+    per_tensor = True
+    lossy = True
+
+    def __init__(self, *, rank=4, error_feedback=True, seed=0):
+        self.rank, self.error_feedback, self.seed = rank, error_feedback, seed
+        self.state = {}
+
+    def wants(self, shape):
+        if len(shape) < 2:
+            return False
+        rows, cols = shape[0], math.prod(shape[1:])
+        return (rows + cols) * self.rank * 2 <= rows * cols
+
+    def _q(self, key, cols):
+        st = self.state.get(key)
+        if st is not None and "q" in st:
+            return st["q"]
+        g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
+        return torch.randn(cols, self.rank, generator=g)
+
+    def exchange(self, key, views, group):
+        mats, qs, ms = [], [], []
+        for i, v in enumerate(views):
+            m = v.reshape(v.shape[0], -1)
+            st = self.state.get((key, i))
+            if st is not None and self.error_feedback and "e" in st:
+                m = m + st["e"]
+            ms.append(m)
+            qs.append(self._q((key, i), m.shape[1]))
+        ps = torch.cat([(m @ q).view(-1) for m, q in zip(ms, qs)])
+        yield Collective("all_reduce", ps, group)
+        if not bool(torch.isfinite(ps).all()):
+            yield Collective("noop")       # every rank sees the same reduced P, so every rank skips alike
+            _poison(views)
+            return
+        offs, p_hats = 0, []
+        for m in ms:
+            size = m.shape[0] * self.rank
+            p_hats.append(_orthonormalise(ps[offs:offs + size].view(m.shape[0], self.rank)))
+            offs += size
+        local_q = [m.t() @ p for m, p in zip(ms, p_hats)]
+        errors = [m - p @ q.t() for m, p, q in zip(ms, p_hats, local_q)] if self.error_feedback else None
+        qsum = torch.cat([q.reshape(-1) for q in local_q])
+        yield Collective("all_reduce", qsum, group)
+        if not bool(torch.isfinite(qsum).all()):
+            _poison(views)
+            return
+        offs = 0
+        for i, (v, m, p) in enumerate(zip(views, ms, p_hats)):
+            size = m.shape[1] * self.rank
+            q = qsum[offs:offs + size].view(m.shape[1], self.rank)
+            offs += size
+            v.copy_((p @ q.t()).view_as(v))
+            st = {"q": q.clone()}
+            if errors is not None:
+                st["e"] = errors[i]
+            self.state[(key, i)] = st
+
+
+COMPRESSORS = ("none", "fp32", "bf16", "fp16", "int8", "topk", "powersgd")
+
+
+def make_compressor(section, *, seed=0):
+    """The compressor a ``seekspeed.comm`` section names (``none`` has none)."""
+    name = section.compressor
+    if name == "fp32":
+        return Dense(torch.float32)
+    if name == "bf16":
+        return Dense(torch.bfloat16)
+    if name == "fp16":
+        return Dense(torch.float16)
+    if name == "int8":
+        return Int8(block_size=section.block_size, error_feedback=section.error_feedback)
+    if name == "topk":
+        return TopK(ratio=section.ratio, selection=section.selection, sample_ratio=section.sample_ratio,
+                    error_feedback=section.error_feedback, momentum=section.momentum, seed=seed)
+    if name == "powersgd":
+        return PowerSGD(rank=section.rank, error_feedback=section.error_feedback, seed=seed)
+    raise ValueError(f"no compressor for {name!r}")

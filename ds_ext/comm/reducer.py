@@ -1,0 +1,215 @@
+"""The compressed gradient reduction: chunking, pipelining, hierarchy, counters.
+
+``GradientReducer.reduce(grads, group=..., divide_by=..., key=...)`` replaces one
+data-parallel all-reduce of a list of gradients (averaging them in place):
+
+- tensors under ``min_numel`` elements, and those the compressor declines (vectors
+  for PowerSGD), go dense in one fp32 all-reduce;
+- the rest is flattened and cut into chunks of ``chunk_mb`` (PowerSGD: whole matrices
+  grouped up to that size); each chunk is a compressor generator, and up to
+  ``pipeline_depth`` chunks are on the wire while the next one is compressed
+  (asynchronous collectives, waited for oldest first);
+- hierarchical (``node_groups`` given and the group spans several nodes): a chunk is
+  summed densely inside the node, one local rank per chunk (round robin, so every
+  rail carries its share) exchanges it compressed with the same local rank of the
+  other nodes, and broadcasts the result inside the node;
+- for the first ``warmup_steps`` optimizer steps everything goes dense through the
+  same path.
+
+Every rank issues the same collectives in the same order per group (ranks that skip
+a chunk's inter-node phase issue placeholders), so the FIFO driver cannot deadlock.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, asdict
+
+import torch
+import torch.distributed as tdist
+
+from .compressors import Collective, Dense, make_compressor
+
+
+@dataclass
+class ReduceStats:
+    """One optimizer step's counters (all gradient groups together)."""
+    collectives: int = 0
+    payload_bytes: int = 0       # what this rank handed to collectives
+    wire_bytes: float = 0.0      # estimated bytes this rank sends (ring all-reduce / all-gather)
+    inter_node_bytes: float = 0.0  # the part of wire_bytes on groups that span nodes
+    compress_s: float = 0.0
+    decompress_s: float = 0.0
+    wait_s: float = 0.0          # blocked waiting for collectives
+    total_s: float = 0.0
+    dense_numel: int = 0
+    compressed_numel: int = 0
+    calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
+
+    def line(self, name):
+        return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
+                f"decompress {self.decompress_s * 1e3:.0f} ms, wait {self.wait_s * 1e3:.0f} ms, "
+                f"total {self.total_s * 1e3:.0f} ms")
+
+    def figures(self):
+        return {k: v for k, v in asdict(self).items() if k != "calls"}
+
+
+def _wire_bytes(req, world):
+    size = req.tensor.numel() * req.tensor.element_size()
+    if req.kind == "all_reduce":
+        return 2 * (world - 1) / world * size
+    if req.kind == "all_gather":
+        return (world - 1) * size
+    return (world - 1) / world * size     # broadcast: each rank forwards about its share
+
+
+class GradientReducer:
+
+    def __init__(self, section, *, node_groups=None, spans_nodes=None, node_of=None, seed=0):
+        self.section = section
+        self.name = section.compressor
+        self.compressor = make_compressor(section, seed=seed)
+        self.dense = Dense()
+        self.node_groups = node_groups
+        # group -> whether it crosses nodes (for the inter-node byte count), else from node_of
+        self.spans_nodes = dict(spans_nodes or {})
+        self.node_of = node_of
+        self.chunk_numel = max(1, int(section.chunk_mb * 2 ** 20 / 4))
+        self.steps = 0
+        self.stats = ReduceStats()
+        self.last = None
+
+    # -- step bookkeeping -------------------------------------------------------------
+    def begin_step(self):
+        self.stats = ReduceStats()
+
+    def end_step(self):
+        self.steps += 1
+        self.last = self.stats
+        return self.stats
+
+    @property
+    def warming_up(self):
+        return self.steps < self.section.warmup_steps
+
+    # -- the reduction ------------------------------------------------------------------
+    def reduce(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True):
+        """Average ``grads`` (a list of tensors) over ``group`` in place: the sum over
+        its ranks times 1 / ``divide_by``."""
+        start = time.perf_counter()
+        self.stats.calls.append((key, micro_step, boundary))
+        comp = self.dense if self.warming_up else self.compressor
+        grads = [g for g in grads if g.numel()]
+        big = [g for g in grads if g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
+        chosen = {id(g) for g in big}
+        small = [g for g in grads if id(g) not in chosen]
+        tasks, buffers = [], []
+        if small:
+            buf = torch.cat([g.reshape(-1).float() for g in small])
+            buffers.append((small, buf))
+            tasks.append(self.dense.exchange((key, "dense"), [buf], group))
+            self.stats.dense_numel += buf.numel()
+        if big:
+            buf = torch.cat([g.reshape(-1).float() for g in big])
+            buffers.append((big, buf))
+            if comp is self.dense:
+                self.stats.dense_numel += buf.numel()
+            else:
+                self.stats.compressed_numel += buf.numel()
+            groups = self.node_groups if hierarchical else None
+            for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
+                tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c))
+        self._drive(tasks, group)
+        scale = 1.0 / divide_by
+        for tensors, buf in buffers:
+            buf.mul_(scale)
+            offset = 0
+            for g in tensors:
+                g.copy_(buf[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.stats.total_s += time.perf_counter() - start
+
+    def _chunks(self, comp, tensors, buf):
+        """(region, views): a contiguous slice of ``buf`` and what the compressor sees."""
+        if not comp.per_tensor:
+            for region in torch.split(buf, self.chunk_numel):
+                yield region, [region]
+            return
+        start, offset, views = 0, 0, []
+        for g in tensors:
+            if views and offset + g.numel() - start > self.chunk_numel:
+                yield buf[start:offset], views
+                start, views = offset, []
+            views.append(buf[offset:offset + g.numel()].view(g.shape))
+            offset += g.numel()
+        if views:
+            yield buf[start:offset], views
+
+    def _chunk(self, comp, key, region, views, group, groups, index):
+        if groups is None or (groups.num_nodes == 1 and groups.local_size == 1):
+            yield from comp.exchange(key, views, group)
+            return
+        if groups.num_nodes == 1:        # one node: the links are fast, nothing to gain from compression
+            yield from self.dense.exchange(key, [region], groups.intra_group)
+            return
+        if groups.local_size > 1:
+            yield Collective("all_reduce", region, groups.intra_group)
+        owner = index % groups.local_size
+        if groups.local_rank == owner:
+            yield from comp.exchange(key, views, groups.rail_group)
+        else:
+            for _ in range(comp.phases):
+                yield Collective("noop")
+        if groups.local_size > 1:
+            yield Collective("broadcast", region, groups.intra_group, src=groups.node_ranks[owner])
+
+    def _launch(self, req, default_group):
+        if req.kind == "noop":
+            return None
+        group = req.group if req.group is not None else default_group
+        world = tdist.get_world_size(group)
+        wire = _wire_bytes(req, world)
+        self.stats.collectives += 1
+        self.stats.payload_bytes += req.tensor.numel() * req.tensor.element_size()
+        self.stats.wire_bytes += wire
+        if group not in self.spans_nodes:
+            ranks = tdist.get_process_group_ranks(group)
+            self.spans_nodes[group] = self.node_of is None or len({self.node_of[r] for r in ranks}) > 1
+        if self.spans_nodes[group]:
+            self.stats.inter_node_bytes += wire
+        if req.kind == "all_reduce":
+            return tdist.all_reduce(req.tensor, group=group, async_op=True)
+        if req.kind == "all_gather":
+            return tdist.all_gather(req.out, req.tensor, group=group, async_op=True)
+        if req.kind == "broadcast":
+            return tdist.broadcast(req.tensor, src=req.src, group=group, async_op=True)
+        raise ValueError(f"unknown collective {req.kind!r}")
+
+    def _step(self, gen, first, inflight, group):
+        t0 = time.perf_counter()
+        try:
+            req = next(gen) if first else gen.send(None)
+        except StopIteration:
+            self.stats.decompress_s += time.perf_counter() - t0
+            return
+        self.stats.compress_s += time.perf_counter() - t0
+        inflight.append((gen, self._launch(req, group)))
+
+    def _drive(self, tasks, group):
+        depth = max(1, self.section.pipeline_depth)
+        inflight = deque()
+
+        def finish_oldest():
+            gen, work = inflight.popleft()
+            if work is not None:
+                t0 = time.perf_counter()
+                work.wait()
+                self.stats.wait_s += time.perf_counter() - t0
+            self._step(gen, False, inflight, group)
+
+        for gen in tasks:
+            self._step(gen, True, inflight, group)
+            while len(inflight) >= depth:
+                finish_oldest()
+        while inflight:
+            finish_oldest()

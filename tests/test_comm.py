@@ -1,0 +1,246 @@
+"""Compressed gradient communication (ds_ext/comm): config errors, each compressor's
+all-reduce against the dense sum (exact where lossless, bounded where lossy), error
+feedback, chunked/pipelined and hierarchical arrangements, NaN propagation.
+Multi-rank cases use 2 or 4 gloo ranks; about 40 s in all."""
+
+import math
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+
+def _section(**kw):
+    from ds_ext.config import CommSection
+    return CommSection(**kw)
+
+
+# -- config ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, match", [
+    ({"compressor": "topK"}, r"seekspeed.comm.compressor 'topK' is unknown \(did you mean 'topk'\?\)"),
+    ({"compressor": "topk", "ratio": 0.0}, r"seekspeed.comm.ratio must be in \(0, 1\]"),
+    ({"compressor": "topk", "ratio": 1.5}, r"seekspeed.comm.ratio must be in \(0, 1\]"),
+    ({"compressor": "powersgd", "rank": 0}, r"seekspeed.comm.rank must be >= 1"),
+    ({"selection": "approx"}, r"seekspeed.comm.selection 'approx'"),
+    ({"pipeline_depth": 0}, r"seekspeed.comm.pipeline_depth must be >= 1"),
+    ({"ratio_": 0.1}, r"seekspeed.comm"),
+])
+def test_bad_comm_section_is_one_line_error(raw, match):
+    from ds_ext.config import SeekspeedSection
+    from ds_ext.errors import ConfigError
+    from ds_ext.schema import from_dict
+    with pytest.raises(ConfigError, match=match) as info:
+        from_dict(SeekspeedSection, {"train": {"steps": 1}, "comm": raw}, where="seekspeed")
+    assert "\n" not in str(info.value)
+
+
+# -- single-process pieces ---------------------------------------------------------------
+
+def test_sampled_selection_keeps_at_most_k_of_the_largest():
+    from ds_ext.comm.compressors import TopK
+    torch.manual_seed(0)
+    x = torch.randn(200_000)
+    comp = TopK(ratio=0.01, selection="sampled", sample_ratio=0.01)
+    k = comp.count(x.numel())
+    idx = comp.select(x, k)
+    assert 0.5 * k <= idx.numel() <= k
+    exact = torch.topk(x.abs(), k).values
+    # what the sample lets through is among the large entries: above the 2k-th largest magnitude
+    assert x[idx].abs().min() >= torch.topk(x.abs(), 2 * k).values[-1]
+    assert x[idx].abs().max() == exact[0]
+
+
+def test_powersgd_sends_small_and_vector_tensors_dense():
+    from ds_ext.comm.compressors import PowerSGD
+    comp = PowerSGD(rank=4)
+    assert comp.wants((1024, 512)) and not comp.wants((1024,)) and not comp.wants((8, 8))
+
+
+# -- multi-rank all-reduces ---------------------------------------------------------------
+
+def _grads(rank, shapes, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+SHAPES = [(96, 64), (300,), (64, 128), (5000,)]
+
+
+def _reduce_rank(section_kw, steps=1, hierarchical_nodes=0, seed=0):
+    """Each rank reduces its own random gradients; returns every step's results."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.topology.groups import NodeGroups
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    section = _section(**section_kw)
+    groups = None
+    node_of = [r * max(hierarchical_nodes, 1) // world for r in range(world)]
+    if section.hierarchical:
+        groups = NodeGroups.for_subsets(node_of, [list(range(world))])
+    reducer = GradientReducer(section, node_groups=groups, node_of=node_of)
+    out = []
+    for step in range(steps):
+        grads = _grads(rank, SHAPES, seed=seed + step)
+        reducer.begin_step()
+        reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+        stats = reducer.end_step()
+        out.append({"grads": [g.clone() for g in grads], "stats": stats.figures()})
+    return out
+
+
+def _dense_mean(world, seed=0):
+    per_rank = [_grads(r, SHAPES, seed=seed) for r in range(world)]
+    return [sum(p[i] for p in per_rank) / world for i in range(len(SHAPES))]
+
+
+@pytest.mark.multirank
+def test_fp32_path_matches_the_dense_mean_chunked_pipelined_and_hierarchical():
+    flat = run_ranks(_reduce_rank, world_size=4, args=({"compressor": "fp32", "min_numel": 1000,
+                                                         "chunk_mb": 0.01, "pipeline_depth": 3}, 1, 2))
+    hier = run_ranks(_hier_rank, world_size=4, args=({"compressor": "fp32", "min_numel": 1000, "chunk_mb": 0.01},))
+    ref = _dense_mean(4)
+    for results in (flat, hier):
+        for r in results:
+            for got, want in zip(r[0]["grads"], ref):
+                np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-7)
+    # what each rank sends on groups that span nodes: its share of the rails vs the whole flat ring
+    assert hier[0][0]["stats"]["inter_node_bytes"] < flat[0][0]["stats"]["inter_node_bytes"]
+
+
+def _hier_rank(section_kw, steps=1):
+    return _reduce_rank({**section_kw, "hierarchical": True}, steps=steps, hierarchical_nodes=2)
+
+
+def _topk_reference(world, ratio, seed=0):
+    """Sum of every rank's exact top-k selection (per chunk = the whole compressed buffer)."""
+    per_rank = [_grads(r, SHAPES, seed=seed) for r in range(world)]
+    big = [i for i, s in enumerate(SHAPES) if math.prod(s) >= 1000]
+    small = [i for i in range(len(SHAPES)) if i not in big]
+    total = torch.zeros(sum(math.prod(SHAPES[i]) for i in big))
+    for p in per_rank:
+        flat = torch.cat([p[i].reshape(-1) for i in big])
+        k = max(1, math.ceil(flat.numel() * ratio))
+        idx = torch.topk(flat.abs(), k).indices
+        total[idx] += flat[idx]
+    out, offset = {}, 0
+    for i in big:
+        n = math.prod(SHAPES[i])
+        out[i] = (total[offset:offset + n] / world).view(SHAPES[i])
+        offset += n
+    for i in small:
+        out[i] = sum(p[i] for p in per_rank) / world
+    return [out[i] for i in range(len(SHAPES))]
+
+
+@pytest.mark.multirank
+def test_topk_sparse_all_reduce_sums_every_ranks_selection():
+    results = run_ranks(_reduce_rank, world_size=2, args=({"compressor": "topk", "ratio": 0.05,
+                                                            "selection": "exact", "min_numel": 1000,
+                                                            "chunk_mb": 1},))
+    ref = _topk_reference(2, 0.05)
+    for r in results:
+        for got, want in zip(r[0]["grads"], ref):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-7)
+    # lossless at ratio 1
+    full = run_ranks(_reduce_rank, world_size=2, args=({"compressor": "topk", "ratio": 1.0, "min_numel": 1000},))
+    for got, want in zip(full[0][0]["grads"], _dense_mean(2)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _error_feedback_rank(name, error_feedback):
+    """The same gradient every step: with error feedback, what was sent over T steps
+    plus the residual left is exactly T times the gradient."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    section = _section(compressor=name, ratio=0.1, rank=2, error_feedback=error_feedback, min_numel=1,
+                       selection="exact")
+    reducer = GradientReducer(section)
+    g = _grads(0, [(64, 96)])[0]         # the same on both ranks
+    sent = torch.zeros_like(g)
+    steps = 40
+    for _ in range(steps):
+        x = g.clone()
+        reducer.begin_step()
+        reducer.reduce([x], group=tdist.group.WORLD, divide_by=tdist.get_world_size(), key="dense")
+        reducer.end_step()
+        sent += x
+    comp = reducer.compressor
+    st = next(iter(comp.state.values())) if comp.state else {}
+    residual = st.get("residual", st.get("e"))
+    return {"rel_err": float((sent / steps - g).norm() / g.norm()),
+            "invariant": float((sent + (residual.view_as(g) if residual is not None else 0) - steps * g).abs().max())}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["topk", "powersgd", "int8"])
+def test_error_feedback_delivers_what_compression_held_back(name):
+    with_ef = run_ranks(_error_feedback_rank, world_size=2, args=(name, True))[0]
+    without = run_ranks(_error_feedback_rank, world_size=2, args=(name, False))[0]
+    assert with_ef["rel_err"] < 0.5 * without["rel_err"], (with_ef, without)
+    if name == "topk":                      # exact bookkeeping: sent + residual == T g
+        assert with_ef["invariant"] < 1e-3
+
+
+def _powersgd_low_rank(rank_):
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    me = tdist.get_rank()
+    u, v = torch.randn(128, 1, generator=torch.Generator().manual_seed(1)), torch.randn(
+        1, 96, generator=torch.Generator().manual_seed(2))
+    x = (me + 1.0) * (u @ v)
+    reducer = GradientReducer(_section(compressor="powersgd", rank=rank_, min_numel=1))
+    reducer.begin_step()
+    reducer.reduce([x], group=tdist.group.WORLD, divide_by=2, key="dense")
+    return {"err": float((x - 1.5 * (u @ v)).abs().max() / (u @ v).abs().max())}
+
+
+@pytest.mark.multirank
+def test_powersgd_is_exact_on_gradients_of_its_rank():
+    results = run_ranks(_powersgd_low_rank, world_size=2, args=(2,))
+    assert all(r["err"] < 1e-5 for r in results)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, bound", [("int8", 0.02), ("bf16", 0.01), ("fp16", 0.002)])
+def test_quantised_all_reduce_error_is_bounded(name, bound):
+    results = run_ranks(_reduce_rank, world_size=2, args=({"compressor": name, "min_numel": 1000},))
+    ref = _dense_mean(2)
+    for got, want in zip(results[0][0]["grads"], ref):
+        rel = np.abs(got - want.numpy()).max() / np.abs(want.numpy()).max()
+        assert rel < bound, (name, rel)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["topk", "powersgd", "int8", "bf16"])
+def test_non_finite_gradient_reaches_every_rank(name):
+    """An inf on one rank must not be hidden by compression: every rank's output is
+    non-finite (as a dense all-reduce would make it), and the state is left alone."""
+    results = run_ranks(_poisoned_rank, world_size=2, args=(name,))
+    for r in results:
+        assert not np.isfinite(r["first"]).all()
+        assert r["second_finite"]
+
+
+def _poisoned_rank(name):
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    rank = tdist.get_rank()
+    reducer = GradientReducer(_section(compressor=name, min_numel=1000, selection="exact"))
+    first = _grads(rank, [(96, 64)])
+    if rank == 1:
+        first[0][3, 5] = float("inf")
+    reducer.reduce(first, group=tdist.group.WORLD, divide_by=2, key="dense")
+    second = _grads(rank, [(96, 64)], seed=1)
+    reducer.reduce(second, group=tdist.group.WORLD, divide_by=2, key="dense")
+    return {"first": first[0], "second_finite": bool(torch.isfinite(second[0]).all())}
+
+
+@pytest.mark.multirank
+def test_hierarchical_topk_at_ratio_one_is_exact():
+    results = run_ranks(_hier_rank, world_size=4, args=({"compressor": "topk", "ratio": 1.0, "min_numel": 1000,
+                                                         "chunk_mb": 0.01},))
+    for r in results:
+        for got, want in zip(r[0]["grads"], _dense_mean(4)):
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
