@@ -9,7 +9,9 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
       "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
-      "checkpoint": {"dir": "runs/tiny", "interval_steps": 100}
+      "checkpoint": {"dir": "runs/tiny", "interval_steps": 100},
+      "topology":   {"placement": "auto", "bandwidth": "launcher", ...},
+      "comm":       {"compressor": "topk", "ratio": 0.01, "hierarchical": true, ...}
     }
 
 Pipeline degree, partitioning and activation checkpointing use DeepSpeed's own

@@ -286,7 +286,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     ds_config = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
     from .pipe.engine import initialize
     engine = initialize(model=model, config=ds_config, schedule=s.schedule,
-                        model_parameters=[p for p in model.parameters() if p.requires_grad])
+                        model_parameters=[p for p in model.parameters() if p.requires_grad], comm=s.comm,
+                        node_of=topo.node_of, log=lambda line: print(line, flush=True))
     if engine.has_moe_layers and rank == 0:
         print(f"moe: {model_config.n_routed_experts} routed experts per layer, expert-parallel degree "
               f"{s.moe.expert_parallel_size} ({model_config.n_routed_experts // s.moe.expert_parallel_size} per rank)",
@@ -314,7 +315,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
     saved = []
-    moe_stats, loss_parts = None, []
+    moe_stats, loss_parts, comm_steps = None, [], []
     for step in range(start + 1, total + 1):
         traced = args.pipe_trace and step == total
         if traced:
@@ -338,6 +339,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
             if progress.is_log_step(step):
                 moe_stats = _moe_stats(control, loads if dp_rank == 0 else None, balance if dp_rank == 0 else None)
                 extra = f"{extra} | {moe_stats['line']}" if extra else moe_stats["line"]
+        reducer = engine.grad_reducer
+        if reducer is not None and reducer.last is not None:
+            comm_steps.append(reducer.last.figures())
+            if progress.is_log_step(step):
+                line = reducer.last.line(s.comm.compressor + (" (warm-up, dense)" if reducer.steps <= s.comm.warmup_steps
+                                                              else ""))
+                extra = f"{extra} | {line}" if extra else line
         progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
         if parts:
             loss_parts.append({name: float(value) for name, value in parts.items()})
@@ -354,6 +362,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         summary["init_from_tensors_per_rank"] = control.gather(init_tensors)
     if loss_parts:
         summary["loss_parts"] = loss_parts
+    if comm_steps:
+        summary["comm"] = _comm_summary(control, comm_steps, s.comm)
     if moe_stats is not None:
         summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:
@@ -363,6 +373,15 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _comm_summary(control, steps, section):
+    """Per-rank means over the steps after warm-up of the compressed reduction's counters."""
+    after = steps[section.warmup_steps:] or steps
+    mine = {k: sum(st[k] for st in after) / len(after) for k in after[0]}
+    ranks = control.gather(mine)
+    return {"compressor": section.compressor, "hierarchical": section.hierarchical, "steps_averaged": len(after),
+            "per_rank_mean_per_step": ranks}
 
 
 def _write_pipe_trace(directory, engine, control, origin, *, rank, stage, dp_rank, title):

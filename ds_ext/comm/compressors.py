@@ -1,10 +1,11 @@
 """Gradient compressors.
 
 A compressor turns one rank's part of a gradient into what goes on the wire and
-the peers' parts back into their sum. ``exchange(key, views, group)`` is a
-generator: it yields the collectives it needs (``Collective``), the driver in
+the peers' parts back into their sum. ``exchange(key, region, views, group)`` is a
+generator (``region``: the chunk, a contiguous fp32 buffer; ``views``: the tensors in
+it, shaped, for compressors that work per tensor): it yields the collectives it needs (``Collective``), the driver in
 ``reducer.py`` runs them asynchronously and resumes it when they are done, and it
-ends with the sum over the group's ranks written into ``views`` in place. Written as
+ends with the sum over the group's ranks written into ``region`` in place. Written as
 generators, several chunks can be in flight at once: chunk i+1 is compressed while
 chunk i is on the wire.
 
@@ -37,9 +38,8 @@ class Collective:
     src: int = 0
 
 
-def _poison(views):
-    for v in views:
-        v.fill_(float("nan"))
+def _poison(region):
+    region.fill_(float("nan"))
 
 
 class Dense:
@@ -54,8 +54,8 @@ class Dense:
     def wants(self, shape):
         return True
 
-    def exchange(self, key, views, group):
-        (flat,) = views
+    def exchange(self, key, region, views, group):
+        flat = region
         if self.dtype == torch.float32:
             yield Collective("all_reduce", flat, group)
             return
@@ -65,8 +65,8 @@ class Dense:
 
 
 class TopK:
-    """Keep ``ratio`` of the entries, the largest in magnitude; the sparse all-reduce is
-    an all-gather of (value, index) pairs summed locally.
+    """Keep ``ratio`` of each tensor's entries, the largest in magnitude; the sparse
+    all-reduce is an all-gather of (value, index) pairs summed locally.
 
     ``selection``: ``exact`` is torch.topk over the chunk; ``sampled`` (DGC) takes the
     threshold from the top entries of a random sample and selects by threshold, with an
@@ -77,7 +77,7 @@ class TopK:
     would apply it twice).
     """
     phases = 1
-    per_tensor = False
+    per_tensor = True
     lossy = True
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
@@ -93,9 +93,8 @@ class TopK:
     def count(self, numel):
         return max(1, int(math.ceil(numel * self.ratio)))
 
-    def select(self, acc, k):
-        """Indices of (at most) the k largest |acc|."""
-        mag = acc.abs()
+    def select(self, mag, k):
+        """Indices of (at most) the k largest of ``mag`` (magnitudes)."""
         n = mag.numel()
         if self.selection == "exact" or k * 8 >= n:
             return torch.topk(mag, k, sorted=False).indices
@@ -107,10 +106,19 @@ class TopK:
             idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
         return idx
 
-    def exchange(self, key, views, group):
-        (flat,) = views
-        n = flat.numel()
-        k = self.count(n)
+    def _select_per_tensor(self, mag, sizes):
+        """Each tensor keeps its own ``ratio`` (per layer, as DGC does), so layers
+        whose gradients are small in magnitude still send their largest entries."""
+        picks, offset = [], 0
+        for n in sizes:
+            picks.append(self.select(mag[offset:offset + n], self.count(n)) + offset)
+            offset += n
+        return torch.cat(picks)
+
+    def exchange(self, key, region, views, group):
+        flat = region
+        sizes = [v.numel() for v in views]
+        k = sum(self.count(n) for n in sizes)
         st = self.state.get(key)
         if self.momentum > 0:
             u = st["u"] * self.momentum + flat if st else flat.clone()
@@ -120,10 +128,11 @@ class TopK:
                 acc = flat + st["residual"] if st else flat.clone()
             else:
                 acc = flat
-        finite = bool(torch.isfinite(acc).all())
+        mag = acc.abs()
+        finite = bool(torch.isfinite(mag.sum()))     # one pass; an overflowing sum is a gradient worth skipping
         payload = torch.zeros(2 * k + 1)
         if finite:
-            idx = self.select(acc, k)
+            idx = self._select_per_tensor(mag, sizes)
             payload[:idx.numel()] = acc[idx]
             payload[k:k + idx.numel()] = idx.to(torch.int32).view(torch.float32)
         else:
@@ -132,7 +141,7 @@ class TopK:
         yield Collective("all_gather", payload, group, out=out)
         gathered = torch.stack(out)
         if not bool(torch.isfinite(gathered[:, -1]).all()):
-            _poison(views)
+            _poison(region)
             return
         values = gathered[:, :k].reshape(-1)
         indices = gathered[:, k:2 * k].contiguous().view(torch.int32).reshape(-1).long()
@@ -161,8 +170,8 @@ class Int8:
     def wants(self, shape):
         return True
 
-    def exchange(self, key, views, group):
-        (flat,) = views
+    def exchange(self, key, region, views, group):
+        flat = region
         n, b = flat.numel(), self.block_size
         blocks = -(-n // b)
         st = self.state.get(key)
@@ -182,7 +191,7 @@ class Int8:
         head_bytes = (blocks + 1) * 4
         scales = torch.stack([p[:head_bytes].view(torch.float32)[:blocks] for p in out])
         if not bool(torch.isfinite(scales).all()):
-            _poison(views)
+            _poison(region)
             return
         total = torch.zeros(blocks, b)
         for r, p in enumerate(out):
@@ -225,39 +234,48 @@ class PowerSGD:
         g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
         return torch.randn(cols, self.rank, generator=g)
 
-    def exchange(self, key, views, group):
-        mats, qs, ms = [], [], []
+    def exchange(self, key, region, views, group):
+        # M = gradient + last step's error, formed in the gradient's own buffer (the
+        # driver owns it and the result overwrites it); products arranged so that the
+        # big matrix is read row by row (M^T P as (P^T M)^T)
+        qs, ms, states = [], [], []
         for i, v in enumerate(views):
-            m = v.reshape(v.shape[0], -1)
+            m = v.view(v.shape[0], -1)
             st = self.state.get((key, i))
             if st is not None and self.error_feedback and "e" in st:
-                m = m + st["e"]
+                m.add_(st["e"])
             ms.append(m)
+            states.append(st)
             qs.append(self._q((key, i), m.shape[1]))
         ps = torch.cat([(m @ q).view(-1) for m, q in zip(ms, qs)])
         yield Collective("all_reduce", ps, group)
         if not bool(torch.isfinite(ps).all()):
             yield Collective("noop")       # every rank sees the same reduced P, so every rank skips alike
-            _poison(views)
+            _poison(region)
             return
         offs, p_hats = 0, []
         for m in ms:
             size = m.shape[0] * self.rank
             p_hats.append(_orthonormalise(ps[offs:offs + size].view(m.shape[0], self.rank)))
             offs += size
-        local_q = [m.t() @ p for m, p in zip(ms, p_hats)]
-        errors = [m - p @ q.t() for m, p, q in zip(ms, p_hats, local_q)] if self.error_feedback else None
+        local_q = [(p.t() @ m).t() for m, p in zip(ms, p_hats)]
+        errors = None
+        if self.error_feedback:          # e = M - P Q_local^T, into last step's buffer when there is one
+            errors = []
+            for m, p, q, st in zip(ms, p_hats, local_q, states):
+                out = st["e"] if st is not None and "e" in st else torch.empty_like(m)
+                errors.append(torch.addmm(m, p, q.t(), alpha=-1, out=out))
         qsum = torch.cat([q.reshape(-1) for q in local_q])
         yield Collective("all_reduce", qsum, group)
         if not bool(torch.isfinite(qsum).all()):
-            _poison(views)
+            _poison(region)
             return
         offs = 0
-        for i, (v, m, p) in enumerate(zip(views, ms, p_hats)):
+        for i, (m, p) in enumerate(zip(ms, p_hats)):
             size = m.shape[1] * self.rank
             q = qsum[offs:offs + size].view(m.shape[1], self.rank)
             offs += size
-            v.copy_((p @ q.t()).view_as(v))
+            torch.mm(p, q.t(), out=m)
             st = {"q": q.clone()}
             if errors is not None:
                 st["e"] = errors[i]

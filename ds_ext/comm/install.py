@@ -6,13 +6,17 @@ every method falls through to DeepSpeed's own. Set, it takes over the two places
 where DeepSpeed reduces data-parallel gradients at the accumulation boundary:
 
 - ``buffered_allreduce_fallback``: ZeRO 0 (fp32, fp16, bf16) and DeepSpeed's
-  BF16_Optimizer (bf16 with ZeRO 1); the gradients and expert groups are the ones
-  DeepSpeed would reduce, averaged over the same groups by the same factors;
-- ZeRO 1 in fp32/fp16 (DeepSpeedZeroOptimizer): the gradients are averaged first,
-  then the optimizer's own reduction runs with its communication replaced by the
-  identity (it needs ``zero_optimization.reduce_scatter`` false, which
-  ``prepare_config`` sets), so it copies its partition out as usual.
+  BF16_Optimizer; the gradients and expert groups are the ones DeepSpeed would
+  reduce, averaged over the same groups by the same factors;
+- ZeRO 1 (DeepSpeedZeroOptimizer, fp32/fp16/bf16): the gradients the optimizer is
+  about to reduce (``get_gradient_for_reduction``, so fp32 accumulation buffers too)
+  are summed over their groups first; then the optimizer's own reduction runs with
+  its two communication calls (``allreduce_bucket``, ``gradient_reduction_w_predivide``)
+  replaced by local versions that only divide as they would, so it averages,
+  partitions and copies out as usual.
 """
+
+import functools
 
 import torch.distributed as tdist
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
@@ -20,39 +24,56 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from .reducer import GradientReducer
 
 
-def prepare_config(ds_config, section, *, log=print):
-    """DeepSpeed config changes the compressed reduction needs (in place)."""
-    if section.compressor == "none":
-        return ds_config
-    zero = ds_config.setdefault("zero_optimization", {})
-    bf16 = ds_config.get("bf16", {}).get("enabled", False)
-    if zero.get("stage", 0) == 1 and not bf16 and zero.get("reduce_scatter", True):
-        zero["reduce_scatter"] = False
-        log("comm: zero_optimization.reduce_scatter set to false (ZeRO 1 copies its partition out of the "
-            "gradients seekspeed has already averaged)")
-    return ds_config
-
-
-def _identity_reduction(tensor, communication_data_type):
+def _local_allreduce_bucket(opt, bucket, communication_data_type, rank=None, log=None, divide=True,
+                            process_group=None):
+    """DeepSpeedZeroOptimizer.allreduce_bucket without the collective (the bucket is
+    already summed): flatten, divide as it would."""
+    tensor = opt.flatten(bucket)
+    process_group = opt.dp_process_group if process_group is None else process_group
+    if divide and opt.gradient_average:
+        tensor.div_(tdist.get_world_size(group=process_group) / float(opt.sequence_parallel_size))
     return tensor
+
+
+def _local_predivide(opt, tensor, communication_data_type):
+    """DeepSpeedZeroOptimizer.gradient_reduction_w_predivide without the collective."""
+    if opt.gradient_average and tensor.numel():
+        tensor.div_(tdist.get_world_size(group=opt.dp_process_group) / float(opt.sequence_parallel_size))
+    return tensor
+
+
+def _zero_gradients(opt):
+    """What DeepSpeedZeroOptimizer will reduce: (non-expert grads, {group name: grads})."""
+    from deepspeed.moe.utils import is_moe_param
+    non_expert, expert = [], {}
+    for group in opt.bit16_groups:
+        for param in group:
+            grad = opt.get_gradient_for_reduction(param)
+            if grad is None or param.numel() == 0:
+                continue
+            if is_moe_param(param):
+                expert.setdefault(param.group_name, []).append(grad)
+            else:
+                non_expert.append(grad)
+    return non_expert, expert
 
 
 class CompressedReduction:
     grad_reducer = None
 
-    def _compressed_reduce(self, non_expert, expert):
+    def _compressed_reduce(self, non_expert, expert, *, average=True):
         from deepspeed.utils import groups
         reducer = self.grad_reducer
         reducer.begin_step()
         at = dict(micro_step=self.micro_steps, boundary=self.is_gradient_accumulation_boundary())
         dp_group = self.mpu.get_data_parallel_group()
-        reducer.reduce(list(non_expert), group=dp_group, divide_by=tdist.get_world_size(dp_group), key="dense",
-                       **at)
+        reducer.reduce(list(non_expert), group=dp_group, key="dense", **at,
+                       divide_by=tdist.get_world_size(dp_group) if average else 1)
         if self.has_moe_layers:
             dp_world = tdist.get_world_size(groups._get_data_parallel_group())
-            for name, grads in expert.items():
-                reducer.reduce(list(grads), group=groups._get_expert_data_parallel_group(name), divide_by=dp_world,
-                               key=("expert", name), hierarchical=False, **at)
+            for name, grads in sorted(expert.items()):
+                reducer.reduce(list(grads), group=groups._get_expert_data_parallel_group(name), key=("expert", name),
+                               hierarchical=False, divide_by=dp_world if average else 1, **at)
         reducer.end_step()
 
     def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
@@ -68,19 +89,18 @@ class CompressedReduction:
 
     def allreduce_gradients(self, bucket_size=MEMORY_OPT_ALLREDUCE_SIZE):
         zero1 = (self.grad_reducer is not None and self.zero_optimization_stage() == 1
-                 and hasattr(self.optimizer, "reduce_gradients") and not self.using_bf16_optimizer)
+                 and hasattr(self.optimizer, "reduce_gradients") and hasattr(self.optimizer, "bit16_groups"))
         if not zero1 or not self.is_gradient_accumulation_boundary():
             return super().allreduce_gradients(bucket_size=bucket_size)
-        if getattr(self.optimizer, "reduce_scatter", False):
-            raise RuntimeError("compressed reduction with ZeRO 1 needs zero_optimization.reduce_scatter false "
-                               "(ds_ext.comm.prepare_config sets it)")
-        non_expert, expert = self._get_gradients_for_reduction()
-        self._compressed_reduce(non_expert, expert)
-        self.optimizer.gradient_reduction_w_predivide = _identity_reduction
+        opt = self.optimizer
+        non_expert, expert = _zero_gradients(opt)
+        self._compressed_reduce(non_expert, expert, average=False)
+        opt.allreduce_bucket = functools.partial(_local_allreduce_bucket, opt)
+        opt.gradient_reduction_w_predivide = functools.partial(_local_predivide, opt)
         try:
             super().allreduce_gradients(bucket_size=bucket_size)
         finally:
-            del self.optimizer.gradient_reduction_w_predivide
+            del opt.allreduce_bucket, opt.gradient_reduction_w_predivide
 
 
 def install(engine, section, *, node_of=None, log=print):
@@ -88,7 +108,10 @@ def install(engine, section, *, node_of=None, log=print):
     ``engine``; collective over the world when ``section.hierarchical``. ``node_of``:
     node of each global rank (default: consecutive blocks of LOCAL_WORLD_SIZE)."""
     import os
+    import warnings
     from ds_ext.topology.groups import NodeGroups
+    # torch 2.13 routes the sparse all-gather through a deprecated alias and warns on every rank
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     if section.compressor == "none":
         engine.grad_reducer = None
         return None

@@ -5,8 +5,8 @@ data-parallel all-reduce of a list of gradients (averaging them in place):
 
 - tensors under ``min_numel`` elements, and those the compressor declines (vectors
   for PowerSGD), go dense in one fp32 all-reduce;
-- the rest is flattened and cut into chunks of ``chunk_mb`` (PowerSGD: whole matrices
-  grouped up to that size); each chunk is a compressor generator, and up to
+- the rest is flattened and cut into chunks of ``chunk_mb`` (top-k and PowerSGD, which
+  work per tensor: whole tensors grouped up to that size); each chunk is a compressor generator, and up to
   ``pipeline_depth`` chunks are on the wire while the next one is compressed
   (asynchronous collectives, waited for oldest first);
 - hierarchical (``node_groups`` given and the group spans several nodes): a chunk is
@@ -93,6 +93,7 @@ class GradientReducer:
         return self.steps < self.section.warmup_steps
 
     # -- the reduction ------------------------------------------------------------------
+    @torch.no_grad()
     def reduce(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True):
         """Average ``grads`` (a list of tensors) over ``group`` in place: the sum over
         its ranks times 1 / ``divide_by``."""
@@ -107,7 +108,7 @@ class GradientReducer:
         if small:
             buf = torch.cat([g.reshape(-1).float() for g in small])
             buffers.append((small, buf))
-            tasks.append(self.dense.exchange((key, "dense"), [buf], group))
+            tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group))
             self.stats.dense_numel += buf.numel()
         if big:
             buf = torch.cat([g.reshape(-1).float() for g in big])
@@ -132,7 +133,8 @@ class GradientReducer:
     def _chunks(self, comp, tensors, buf):
         """(region, views): a contiguous slice of ``buf`` and what the compressor sees."""
         if not comp.per_tensor:
-            for region in torch.split(buf, self.chunk_numel):
+            for start in range(0, buf.numel(), self.chunk_numel):
+                region = buf[start:start + self.chunk_numel]
                 yield region, [region]
             return
         start, offset, views = 0, 0, []
@@ -147,16 +149,16 @@ class GradientReducer:
 
     def _chunk(self, comp, key, region, views, group, groups, index):
         if groups is None or (groups.num_nodes == 1 and groups.local_size == 1):
-            yield from comp.exchange(key, views, group)
+            yield from comp.exchange(key, region, views, group)
             return
         if groups.num_nodes == 1:        # one node: the links are fast, nothing to gain from compression
-            yield from self.dense.exchange(key, [region], groups.intra_group)
+            yield from self.dense.exchange(key, region, [region], groups.intra_group)
             return
         if groups.local_size > 1:
             yield Collective("all_reduce", region, groups.intra_group)
         owner = index % groups.local_size
         if groups.local_rank == owner:
-            yield from comp.exchange(key, views, groups.rail_group)
+            yield from comp.exchange(key, region, views, groups.rail_group)
         else:
             for _ in range(comp.phases):
                 yield Collective("noop")

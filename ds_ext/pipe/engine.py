@@ -378,14 +378,11 @@ def initialize(*, model, config, model_parameters, schedule, comm=None, node_of=
     compressed gradient reduction. Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
     no hook for choosing the engine class. Returns the engine."""
-    import copy
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime import zero
-    from ds_ext.comm.install import install, prepare_config
+    from ds_ext.comm.install import install
     engine_cls, extra = _engine_class(schedule)
-    if comm is not None and comm.compressor != "none":
-        config = prepare_config(copy.deepcopy(config), comm, log=log if dist.get_rank() == 0 else (lambda _: None))
     zero.partition_parameters.shutdown_init_context()
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)

@@ -1,0 +1,262 @@
+"""Gradient synchronisation per optimizer step of a 25.2M-parameter MLP (1024-4096-
+4096-1024, batch 32 per rank, fp32) trained as a one-stage DeepSpeed pipeline on every
+rank: DeepSpeed's dense reduction against each seekspeed compressor (flat and
+hierarchical), next to torch's PowerSGD DDP communication hook (rank 4, one bucket) on
+the same model and data, in one run, interleaved by method.
+
+Per method: step time (median over --steps, slowest rank), sync time = step time -
+compute alone (forward, backward and optimizer step with no communication, measured
+on each rank in the same run), the ReduceGrads instruction's own time, the
+compressors' CPU time, and the bytes this node sent on its inter-node link
+(/proc/net/dev of the node's eth0; on loopback only, 0).
+
+    python launch/simcluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
+        benchmarks/compressed_sync.py --json bench_out/sync.json
+    deepspeed --num_gpus 4 benchmarks/compressed_sync.py --ranks-per-node 2   # loopback only
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+METHODS = {
+    "deepspeed-dense": None,
+    "fp32-hier": {"compressor": "fp32", "hierarchical": True},
+    "bf16": {"compressor": "bf16"},
+    "int8": {"compressor": "int8"},
+    "int8-hier": {"compressor": "int8", "hierarchical": True},
+    "powersgd-r4": {"compressor": "powersgd", "rank": 4},
+    "powersgd-r4-hier": {"compressor": "powersgd", "rank": 4, "hierarchical": True},
+    "topk-1%-exact": {"compressor": "topk", "ratio": 0.01, "selection": "exact"},
+    "topk-1%": {"compressor": "topk", "ratio": 0.01, "selection": "sampled"},
+    "topk-1%-hier": {"compressor": "topk", "ratio": 0.01, "selection": "sampled", "hierarchical": True},
+    "torch-powersgd-hook-r4": "ddp",
+}
+SIZES = (1024, 4096, 4096, 1024)
+BATCH = 32
+
+
+def _layers():
+    import torch
+    layers = []
+    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(torch.nn.ReLU())
+    return layers
+
+
+def _tx_bytes(iface):
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == iface:
+                    return int(rest.split()[8])
+    except OSError:
+        pass
+    return 0
+
+
+def _data(rank, steps):
+    import torch
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(BATCH, SIZES[0], generator=g), torch.randn(BATCH, SIZES[-1], generator=g))
+            for _ in range(steps)]
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _compute_alone(batches):
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*_layers())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _deepspeed(method, comm, batches, args, node_of):
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from ds_ext.config import CommSection
+    from ds_ext.pipe.engine import InstructionTimeline, initialize
+    torch.manual_seed(0)
+    model = PipelineModule(layers=_layers(), num_stages=1, loss_fn=_mse)
+    ds = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    section = CommSection(**{**comm, "warmup_steps": 0, "chunk_mb": args.chunk_mb}) if comm else None
+    engine = initialize(model=model, config=ds, model_parameters=list(model.parameters()), schedule="1f1b",
+                        comm=section, node_of=node_of, log=lambda _: None)
+    reduce_s, cpu_s = [], []
+
+    def step(i, timed):
+        if timed:
+            engine.timeline = InstructionTimeline()
+        engine.train_batch(iter([batches[i]]))
+        if timed:
+            reduce_s.append(sum(e - s for n, _, s, e in engine.timeline.events if n == "ReduceGrads"))
+            if engine.grad_reducer is not None:
+                st = engine.grad_reducer.last
+                cpu_s.append(st.compress_s + st.decompress_s)
+        engine.timeline = None
+    times = _timed_loop(step, args)
+    wire = engine.grad_reducer.last.wire_bytes if engine.grad_reducer is not None else None
+    del engine, model
+    gc.collect()
+    return times, reduce_s, cpu_s, wire
+
+
+def _ddp_powersgd(batches, args):
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*_layers()), bucket_cap_mb=200)
+    state = powerSGD_hook.PowerSGDState(process_group=tdist.group.WORLD, matrix_approximation_rank=4,
+                                        start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+                                        warm_start=True)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(i, timed):
+        x, y = batches[i]
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+    times = _timed_loop(step, args)
+    del model, opt
+    gc.collect()
+    return times, [], [], None
+
+
+def _model_bytes(spec, *, nodes, per_node):
+    """ds_ext.comm.traffic's count for a method of this benchmark (None: not modelled)."""
+    from ds_ext.comm.traffic import inter_node_bytes
+    if spec == "ddp":
+        spec = {"compressor": "powersgd", "rank": 4}
+    spec = spec or {"compressor": "none"}
+    pairs = list(zip(SIZES[:-1], SIZES[1:]))
+    numel = sum(a * b + b for a, b in pairs)
+    return inter_node_bytes(spec["compressor"], nodes=nodes, per_node=per_node,
+                            hierarchical=spec.get("hierarchical", False), numel=numel,
+                            matrices=[(b, a) for a, b in pairs], ratio=spec.get("ratio", 0.01), rank=spec.get("rank", 4))
+
+
+def _scaling_table(rows, *, nodes, per_node, grid=(2, 4, 8, 16, 32, 64, 128), wide=8):
+    """Counted bytes per node per step out of the node: this run's layout next to the
+    measured figure, then how they grow with nodes of ``wide`` ranks."""
+    print(f"\ninter-node MB per node per step: counted (ds_ext/comm/traffic.py) vs measured on this run "
+          f"({nodes} x {per_node}), then counted for N nodes x {wide} ranks")
+    print(f"{'method':<24} {'counted':>8} {'measured':>9} " + " ".join(f"{'N=' + str(n):>8}" for n in grid))
+    out = {}
+    for r in rows:
+        spec = METHODS[r["method"]]
+        here = _model_bytes(spec, nodes=nodes, per_node=per_node)
+        growth = [_model_bytes(spec, nodes=n, per_node=wide) for n in grid]
+        out[r["method"]] = {"counted_here": here, "measured_here": r["inter_node_bytes_per_node_step"],
+                            "counted_by_nodes": dict(zip(grid, growth))}
+        print(f"{r['method']:<24} {here / 1e6:8.2f} {r['inter_node_bytes_per_node_step'] / 1e6:9.2f} "
+              + " ".join(f"{g / 1e6:8.1f}" for g in growth))
+    return out
+
+
+def _timed_loop(step, args):
+    import torch.distributed as tdist
+    times = []
+    for i in range(args.warmup + args.steps):
+        tdist.barrier()
+        t0 = time.perf_counter()
+        step(i, i >= args.warmup)
+        tdist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunk-mb", type=float, default=16.0)
+    p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE from the launcher")
+    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME", "eth0"))
+    p.add_argument("--json")
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as tdist
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node_of = [r // per_node for r in range(world)]
+    batches = _data(rank, args.warmup + args.steps)
+    compute = _compute_alone(batches)[args.warmup:]
+    compute_s = statistics.median(compute)
+    counts_tx = rank % per_node == 0
+    rows = []
+    for method in args.methods:
+        spec = METHODS[method]
+        if rank == 0:
+            print(f"{method} ...", file=sys.stderr, flush=True)
+        tdist.barrier()
+        tx0 = _tx_bytes(args.iface) if counts_tx else 0
+        if spec == "ddp":
+            times, reduce_s, cpu_s, wire = _ddp_powersgd(batches, args)
+        else:
+            times, reduce_s, cpu_s, wire = _deepspeed(method, spec, batches, args, node_of)
+        tdist.barrier()
+        tx = (_tx_bytes(args.iface) - tx0) / (args.warmup + args.steps) if counts_tx else 0.0
+        mine = torch.tensor([statistics.median(times), statistics.median(reduce_s) if reduce_s else float("nan"),
+                             statistics.median(cpu_s) if cpu_s else float("nan"), tx, compute_s])
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        tdist.all_gather(everyone, mine)
+        stack = torch.stack(everyone)
+        step_s = float(stack[:, 0].max())
+        rows.append({"method": method, "step_s": step_s, "sync_s": step_s - float(stack[:, 4].max()),
+                     "reduce_instr_s": float(stack[:, 1].max()), "compressor_cpu_s": float(stack[:, 2].max()),
+                     "inter_node_bytes_per_node_step": float(stack[:, 3].max()),
+                     "wire_bytes_estimate_per_rank": wire, "step_runs_s": times})
+    if rank == 0:
+        dense = next((r for r in rows if r["method"] == "deepspeed-dense"), None)
+        nodes = world // per_node
+        print(f"\n25.2M-parameter MLP, fp32, batch {BATCH} per rank, {nodes} node(s) x {per_node} ranks; compute alone "
+              f"{compute_s * 1e3:.0f} ms per step; median of {args.steps} steps (slowest rank)")
+        print(f"{'method':<24} {'step s':>7} {'sync s':>7} {'vs dense':>8} {'ReduceGrads s':>13} {'CPU s':>6} "
+              f"{'MB/step out of node':>19}")
+        for r in rows:
+            ratio = dense["sync_s"] / r["sync_s"] if dense and r["sync_s"] > 0 else float("nan")
+            r["sync_speedup_vs_dense"] = ratio
+            print(f"{r['method']:<24} {r['step_s']:7.3f} {r['sync_s']:7.3f} {ratio:7.1f}x "
+                  f"{r['reduce_instr_s']:13.3f} {r['compressor_cpu_s']:6.3f} "
+                  f"{r['inter_node_bytes_per_node_step'] / 1e6:19.2f}")
+        scaling = _scaling_table(rows, nodes=nodes, per_node=per_node)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"nodes": nodes, "ranks_per_node": per_node, "compute_s": compute_s, "rows": rows,
+                           "inter_node_scaling": scaling}, f,
+                          indent=2)
+
+
+if __name__ == "__main__":
+    main()
