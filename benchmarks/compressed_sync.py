@@ -2,17 +2,21 @@
 4096-1024, batch 32 per rank, fp32) trained as a one-stage DeepSpeed pipeline on every
 rank: DeepSpeed's dense reduction against each seekspeed compressor (flat and
 hierarchical), next to torch's PowerSGD DDP communication hook (rank 4, one bucket) on
-the same model and data, in one run, interleaved by method.
+the same model and data, in one run.
 
-Per method: step time (median over --steps, slowest rank), sync time = step time -
-compute alone (forward, backward and optimizer step with no communication, measured
-on each rank in the same run), the ReduceGrads instruction's own time, the
-compressors' CPU time, and the bytes this node sent on its inter-node link
-(/proc/net/dev of the node's eth0; on loopback only, 0).
+Per method: step time (median over --steps, slowest rank); sync time: for the
+DeepSpeed engines the ReduceGrads instruction timed from a barrier just before it to
+a barrier after it, for DDP (whose hook overlaps backward) the step time minus
+compute alone (the same model's forward, backward and torch AdamW step with no
+communication, measured on each rank in the same launch); the compressors' CPU
+time; and the bytes each node sent on its inter-node link during the timed steps
+(/proc/net/dev of the node's eth0; 0 on loopback).
 
-    python launch/simcluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
-        benchmarks/compressed_sync.py --json bench_out/sync.json
-    deepspeed --num_gpus 4 benchmarks/compressed_sync.py --ranks-per-node 2   # loopback only
+    python benchmarks/compressed_sync.py --json bench_out/sync.json              # 2 x 2 simulated, 1 Gbit/s (root)
+    python benchmarks/compressed_sync.py --loopback --json bench_out/sync_lo.json   # the same ranks on loopback
+
+Each method runs in fresh processes (launch/simcluster.py, or the deepspeed
+launcher on loopback), one after another.
 """
 
 import argparse
@@ -20,10 +24,12 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 METHODS = {
     "deepspeed-dense": None,
@@ -94,7 +100,7 @@ def _deepspeed(method, comm, batches, args, node_of):
     import torch
     from deepspeed.pipe import PipelineModule
     from ds_ext.config import CommSection
-    from ds_ext.pipe.engine import InstructionTimeline, initialize
+    from ds_ext.pipe.engine import initialize
     torch.manual_seed(0)
     model = PipelineModule(layers=_layers(), num_stages=1, loss_fn=_mse)
     ds = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
@@ -103,22 +109,33 @@ def _deepspeed(method, comm, batches, args, node_of):
     engine = initialize(model=model, config=ds, model_parameters=list(model.parameters()), schedule="1f1b",
                         comm=section, node_of=node_of, log=lambda _: None)
     reduce_s, cpu_s = [], []
+    # the gradient reduction, timed from a barrier just before it (so that no rank's
+    # lateness in backward counts as communication) to its end on the slowest rank
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    reduce_grads = type(engine)._INSTRUCTION_MAP[ds_schedule.ReduceGrads]
+    timing = {"on": False}
+
+    def timed_reduce(self, **kwargs):
+        import torch.distributed as tdist
+        tdist.barrier()
+        t0 = time.perf_counter()
+        reduce_grads(self, **kwargs)
+        tdist.barrier()
+        if timing["on"]:
+            reduce_s.append(time.perf_counter() - t0)
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, ds_schedule.ReduceGrads: timed_reduce}
 
     def step(i, timed):
-        if timed:
-            engine.timeline = InstructionTimeline()
+        timing["on"] = timed
         engine.train_batch(iter([batches[i]]))
-        if timed:
-            reduce_s.append(sum(e - s for n, _, s, e in engine.timeline.events if n == "ReduceGrads"))
-            if engine.grad_reducer is not None:
-                st = engine.grad_reducer.last
-                cpu_s.append(st.compress_s + st.decompress_s)
-        engine.timeline = None
-    times = _timed_loop(step, args)
+        if timed and engine.grad_reducer is not None:
+            st = engine.grad_reducer.last
+            cpu_s.append(st.compress_s + st.decompress_s)
+    times, tx = _timed_loop(step, args)
     wire = engine.grad_reducer.last.wire_bytes if engine.grad_reducer is not None else None
     del engine, model
     gc.collect()
-    return times, reduce_s, cpu_s, wire
+    return times, tx, reduce_s, cpu_s, wire
 
 
 def _ddp_powersgd(batches, args):
@@ -138,10 +155,10 @@ def _ddp_powersgd(batches, args):
         opt.zero_grad()
         _mse(model(x), y).backward()
         opt.step()
-    times = _timed_loop(step, args)
+    times, tx = _timed_loop(step, args)
     del model, opt
     gc.collect()
-    return times, [], [], None
+    return times, tx, [], [], None
 
 
 def _model_bytes(spec, *, nodes, per_node):
@@ -176,16 +193,85 @@ def _scaling_table(rows, *, nodes, per_node, grid=(2, 4, 8, 16, 32, 64, 128), wi
 
 
 def _timed_loop(step, args):
+    """Per-step times of the timed steps, and the bytes sent out of this node during
+    them (read by one rank per node; engine start-up broadcasts are not counted)."""
     import torch.distributed as tdist
     times = []
+    tx0 = None
     for i in range(args.warmup + args.steps):
         tdist.barrier()
+        if i == args.warmup:
+            tx0 = _tx_bytes(args.iface)
         t0 = time.perf_counter()
         step(i, i >= args.warmup)
         tdist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    return times, (_tx_bytes(args.iface) - tx0) / args.steps
+
+
+def _ranks(args):
+    """Per-rank mode (under a launcher): time ``args.methods``, rank 0 writes the rows."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as tdist
+    from ds_ext.distributed import init_distributed
+    from ds_ext.topology.setup import local_world_size
+    init_distributed("gloo")
+    torch.set_num_threads(1)
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    per_node = args.ranks_per_node or local_world_size(world)
+    node_of = [r // per_node for r in range(world)]
+    batches = _data(rank, args.warmup + args.steps)
+    compute_s = statistics.median(_compute_alone(batches)[args.warmup:])
+    counts_tx = rank % per_node == 0
+    rows = []
+    for method in args.methods:
+        spec = METHODS[method]
+        if spec == "ddp":
+            times, tx, reduce_s, cpu_s, wire = _ddp_powersgd(batches, args)
+        else:
+            times, tx, reduce_s, cpu_s, wire = _deepspeed(method, spec, batches, args, node_of)
+        tx = tx if counts_tx else 0.0
+        mine = torch.tensor([statistics.median(times), statistics.median(reduce_s) if reduce_s else float("nan"),
+                             statistics.median(cpu_s) if cpu_s else float("nan"), tx, compute_s])
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        tdist.all_gather(everyone, mine)
+        stack = torch.stack(everyone)
+        step_s, reduce_instr = float(stack[:, 0].max()), float(stack[:, 1].max())
+        # DeepSpeed engines: the reduction timed on its own; DDP overlaps it with backward,
+        # so there: step - compute alone (both with torch's AdamW)
+        sync = reduce_instr if spec != "ddp" else step_s - float(stack[:, 4].max())
+        rows.append({"method": method, "step_s": step_s, "compute_s": float(stack[:, 4].max()), "sync_s": sync,
+                     "reduce_instr_s": reduce_instr, "compressor_cpu_s": float(stack[:, 2].max()),
+                     "inter_node_bytes_per_node_step": float(stack[:, 3].max()),
+                     "wire_bytes_estimate_per_rank": wire, "step_runs_s": times})
+    if rank == 0:
+        with open(args.rows_json, "w") as f:
+            json.dump({"nodes": world // per_node, "ranks_per_node": per_node, "rows": rows}, f)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def _launch(method, args, rows_json):
+    """One method in fresh processes (DeepSpeed engines do not give their memory back
+    within a process): on the simulated cluster, or on loopback."""
+    script = [os.path.abspath(__file__), "--methods", method, "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--chunk-mb", str(args.chunk_mb), "--rows-json", rows_json]
+    if args.loopback:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus",
+               str(args.nodes * args.ranks_per_node), "--master_port", str(29650 + len(method)), *script,
+               "--ranks-per-node", str(args.ranks_per_node), "--iface", "lo-none"]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", str(args.nodes),
+               "--ranks-per-node", str(args.ranks_per_node), "--rate", args.rate, "--tail", "0", "--", *script]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(rows_json):
+        sys.exit(f"{method} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(rows_json) as f:
+        return json.load(f)
 
 
 def main():
@@ -194,68 +280,48 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunk-mb", type=float, default=16.0)
-    p.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE from the launcher")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--rate", default="1gbit", help="inter-node link of the simulated cluster")
+    p.add_argument("--loopback", action="store_true", help="all ranks on this machine's loopback, no namespaces")
     p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME", "eth0"))
     p.add_argument("--json")
+    p.add_argument("--rows-json", help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    import warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as tdist
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    node_of = [r // per_node for r in range(world)]
-    batches = _data(rank, args.warmup + args.steps)
-    compute = _compute_alone(batches)[args.warmup:]
-    compute_s = statistics.median(compute)
-    counts_tx = rank % per_node == 0
-    rows = []
-    for method in args.methods:
-        spec = METHODS[method]
-        if rank == 0:
-            print(f"{method} ...", file=sys.stderr, flush=True)
-        tdist.barrier()
-        tx0 = _tx_bytes(args.iface) if counts_tx else 0
-        if spec == "ddp":
-            times, reduce_s, cpu_s, wire = _ddp_powersgd(batches, args)
-        else:
-            times, reduce_s, cpu_s, wire = _deepspeed(method, spec, batches, args, node_of)
-        tdist.barrier()
-        tx = (_tx_bytes(args.iface) - tx0) / (args.warmup + args.steps) if counts_tx else 0.0
-        mine = torch.tensor([statistics.median(times), statistics.median(reduce_s) if reduce_s else float("nan"),
-                             statistics.median(cpu_s) if cpu_s else float("nan"), tx, compute_s])
-        everyone = [torch.zeros_like(mine) for _ in range(world)]
-        tdist.all_gather(everyone, mine)
-        stack = torch.stack(everyone)
-        step_s = float(stack[:, 0].max())
-        rows.append({"method": method, "step_s": step_s, "sync_s": step_s - float(stack[:, 4].max()),
-                     "reduce_instr_s": float(stack[:, 1].max()), "compressor_cpu_s": float(stack[:, 2].max()),
-                     "inter_node_bytes_per_node_step": float(stack[:, 3].max()),
-                     "wire_bytes_estimate_per_rank": wire, "step_runs_s": times})
-    if rank == 0:
-        dense = next((r for r in rows if r["method"] == "deepspeed-dense"), None)
-        nodes = world // per_node
-        print(f"\n25.2M-parameter MLP, fp32, batch {BATCH} per rank, {nodes} node(s) x {per_node} ranks; compute alone "
-              f"{compute_s * 1e3:.0f} ms per step; median of {args.steps} steps (slowest rank)")
-        print(f"{'method':<24} {'step s':>7} {'sync s':>7} {'vs dense':>8} {'ReduceGrads s':>13} {'CPU s':>6} "
-              f"{'MB/step out of node':>19}")
-        for r in rows:
-            ratio = dense["sync_s"] / r["sync_s"] if dense and r["sync_s"] > 0 else float("nan")
-            r["sync_speedup_vs_dense"] = ratio
-            print(f"{r['method']:<24} {r['step_s']:7.3f} {r['sync_s']:7.3f} {ratio:7.1f}x "
-                  f"{r['reduce_instr_s']:13.3f} {r['compressor_cpu_s']:6.3f} "
-                  f"{r['inter_node_bytes_per_node_step'] / 1e6:19.2f}")
-        scaling = _scaling_table(rows, nodes=nodes, per_node=per_node)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"nodes": nodes, "ranks_per_node": per_node, "compute_s": compute_s, "rows": rows,
-                           "inter_node_scaling": scaling}, f,
-                          indent=2)
+    if args.rows_json:
+        return _ranks(args)
+    import tempfile
+    rows, layout = [], None
+    where = "loopback" if args.loopback else f"simulated cluster, {args.rate} between nodes"
+    with tempfile.TemporaryDirectory(prefix="seekspeed-sync-") as tmp:
+        for i, method in enumerate(args.methods):
+            print(f"[{i + 1}/{len(args.methods)}] {method} on {args.nodes} x {args.ranks_per_node} ranks ({where}) ...",
+                  file=sys.stderr, flush=True)
+            got = _launch(method, args, os.path.join(tmp, f"{i}.json"))
+            layout = (got["nodes"], got["ranks_per_node"])
+            rows += got["rows"]
+    nodes, per_node = layout
+    dense = next((r for r in rows if r["method"] == "deepspeed-dense"), None)
+    compute = statistics.median(r["compute_s"] for r in rows)
+    print(f"\n25.2M-parameter MLP, fp32, batch {BATCH} per rank, {nodes} node(s) x {per_node} ranks ({where}); "
+          f"compute alone {compute * 1e3:.0f} ms per step; median of {args.steps} steps (slowest rank)")
+    print("sync: DeepSpeed engines: the ReduceGrads instruction from a barrier to its end; DDP (overlapped with "
+          "backward): step - compute alone")
+    print(f"{'method':<24} {'step s':>7} {'sync s':>7} {'sync vs dense':>13} {'step vs dense':>13} {'CPU s':>6} "
+          f"{'MB/step out of node':>19}")
+    for r in rows:
+        r["sync_speedup_vs_dense"] = dense["sync_s"] / r["sync_s"] if dense and r["sync_s"] > 0 else float("nan")
+        r["step_speedup_vs_dense"] = dense["step_s"] / r["step_s"] if dense else float("nan")
+        print(f"{r['method']:<24} {r['step_s']:7.3f} {r['sync_s']:7.3f} {r['sync_speedup_vs_dense']:12.1f}x "
+              f"{r['step_speedup_vs_dense']:12.1f}x {r['compressor_cpu_s']:6.3f} "
+              f"{r['inter_node_bytes_per_node_step'] / 1e6:19.2f}")
+    scaling = _scaling_table(rows, nodes=nodes, per_node=per_node) if not args.loopback else None
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"where": where, "nodes": nodes, "ranks_per_node": per_node, "rows": rows,
+                       "inter_node_scaling": scaling}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ RUNS = {
     "topk-1%-no-ef": {"compressor": "topk", "ratio": 0.01, "error_feedback": False},
     "powersgd-r4-ef": {"compressor": "powersgd", "rank": 4, "error_feedback": True},
     "int8-ef": {"compressor": "int8", "error_feedback": True},
+    # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
+    "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
 
 
@@ -43,6 +45,13 @@ def run_one(name, comm, args, tmp):
     cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     cfg["gradient_accumulation_steps"] = args.grad_accum
     cfg.pop("train_batch_size", None)
+    if args.optimizer == "sgd":      # torch.optim.SGD through DeepSpeed's fallback to torch optimizers
+        momentum = 0.0 if comm.get("momentum", 0) > 0 else 0.9
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": args.lr, "momentum": momentum}}
+    elif comm.get("momentum", 0) > 0:
+        sys.exit(f"{name}: momentum correction replaces the optimizer's momentum; run it with --optimizer sgd")
+    elif args.lr is not None:
+        cfg["optimizer"]["params"]["lr"] = args.lr
     s = cfg["seekspeed"]
     s["data"]["seq_len"] = args.seq_len
     s["train"]["log_interval"] = max(1, args.steps // 5)
@@ -82,9 +91,14 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=10, help="dense optimizer steps before compressing")
     p.add_argument("--min-numel", type=int, default=4096, help="tensors smaller than this go dense")
-    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
+                   help="config: the config's AdamW; sgd: SGD with momentum 0.9 (DGC's setting)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the config's; required with sgd)")
+    p.add_argument("--runs", nargs="+", default=[r for r in RUNS if r != "topk-1%-dgc"], choices=list(RUNS))
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.optimizer == "sgd" and args.lr is None:
+        p.error("--optimizer sgd needs --lr")
     rows = []
     with tempfile.TemporaryDirectory(prefix="seekspeed-conv-") as tmp:
         for i, name in enumerate(args.runs):
@@ -92,8 +106,9 @@ def main(argv=None):
                   flush=True)
             rows.append(run_one(name, RUNS[name], args, tmp))
     dense = next((r for r in rows if r["name"] == "none"), None)
+    opt = "the config's AdamW" if args.optimizer == "config" else f"SGD lr {args.lr} momentum 0.9"
     print(f"\ntiny recipe, {args.ranks} data-parallel ranks, {args.steps} steps, micro-batch {args.micro_batch} x "
-          f"{args.grad_accum} accumulation x {args.seq_len} tokens; final loss = mean of the last 20 steps")
+          f"{args.grad_accum} accumulation x {args.seq_len} tokens, {opt}; final loss = mean of the last 20 steps")
     print(f"{'run':<16} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'compress ms':>11}")
     for r in rows:
         rel = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")

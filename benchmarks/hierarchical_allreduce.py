@@ -39,10 +39,10 @@ def main():
     args = p.parse_args()
     import torch
     import torch.distributed as tdist
-    import deepspeed
     from ds_ext.topology.groups import NodeGroups, hierarchical_all_reduce
     from ds_ext.topology.setup import local_world_size
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ds_ext.distributed import init_distributed
+    init_distributed("gloo")
     torch.set_num_threads(1)
     rank, world = tdist.get_rank(), tdist.get_world_size()
     per_node = local_world_size(world)

@@ -72,7 +72,8 @@ def _hf_worker(args):
 
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ds_ext.distributed import init_distributed
+    init_distributed("gloo")
     cfg = load_config(args.config, world_size=world, overrides={"train.steps": args.steps})
     s, lay = cfg.section, cfg.layout
     ds = {k: v for k, v in cfg.ds.items() if k not in ("seekspeed", "pipeline", "gradient_accumulation_steps")}

@@ -199,7 +199,8 @@ def run(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
     else:
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    from .distributed import init_distributed
+    init_distributed()
     finished = False
     try:
         rc = _train(args, cfg, recipe, model_config, tokenizer, _ControlPlane())

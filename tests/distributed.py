@@ -51,8 +51,8 @@ def _worker(fn, rank, world_size, port, args, results, log_path, extra_env, init
         import torch
         torch.set_num_threads(1)
         if init_dist:
-            import deepspeed
-            deepspeed.init_distributed(dist_backend="gloo")
+            from ds_ext.distributed import init_distributed
+            init_distributed("gloo")
         results.put(("ok", rank, _plain(fn(*args))))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))

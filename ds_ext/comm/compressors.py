@@ -5,7 +5,9 @@ the peers' parts back into their sum. ``exchange(key, region, views, group)`` is
 generator (``region``: the chunk, a contiguous fp32 buffer; ``views``: the tensors in
 it, shaped, for compressors that work per tensor): it yields the collectives it needs (``Collective``), the driver in
 ``reducer.py`` runs them asynchronously and resumes it when they are done, and it
-ends with the sum over the group's ranks written into ``region`` in place. Written as
+ends with the sum over the group's ranks, times ``scale``, written into ``region`` in
+place (the scale folded in where it is cheap: on the few values top-k sends, on
+PowerSGD's small factor). Written as
 generators, several chunks can be in flight at once: chunk i+1 is compressed while
 chunk i is on the wire.
 
@@ -46,6 +48,7 @@ class Dense:
     """No compression, or a cast to 16 bits for the wire (``bf16``, ``fp16``)."""
     phases = 1
     per_tensor = False
+    splittable = True
 
     def __init__(self, dtype=torch.float32):
         self.dtype = dtype
@@ -54,14 +57,16 @@ class Dense:
     def wants(self, shape):
         return True
 
-    def exchange(self, key, region, views, group):
+    def exchange(self, key, region, views, group, scale=1.0):
         flat = region
         if self.dtype == torch.float32:
             yield Collective("all_reduce", flat, group)
-            return
-        wire = flat.to(self.dtype)
-        yield Collective("all_reduce", wire, group)
-        flat.copy_(wire)
+        else:
+            wire = flat.to(self.dtype)
+            yield Collective("all_reduce", wire, group)
+            flat.copy_(wire)
+        if scale != 1.0:
+            flat.mul_(scale)
 
 
 class TopK:
@@ -78,6 +83,7 @@ class TopK:
     """
     phases = 1
     per_tensor = True
+    splittable = True
     lossy = True
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
@@ -99,7 +105,7 @@ class TopK:
         if self.selection == "exact" or k * 8 >= n:
             return torch.topk(mag, k, sorted=False).indices
         samples = min(n, max(int(n * self.sample_ratio), 64 * int(math.ceil(1 / self.ratio))))
-        pick = torch.randint(n, (samples,), generator=self.generator)
+        pick = torch.randint(n, (samples,), generator=self.generator).to(mag.device)
         threshold = torch.topk(mag[pick], max(1, int(math.ceil(samples * self.ratio))), sorted=False).values.min()
         idx = torch.nonzero(mag >= threshold).view(-1)
         if idx.numel() > k:
@@ -115,23 +121,21 @@ class TopK:
             offset += n
         return torch.cat(picks)
 
-    def exchange(self, key, region, views, group):
+    def exchange(self, key, region, views, group, scale=1.0):
+        # Accumulators are double-buffered: this step's are written into last step's
+        # spares and committed only when the exchange succeeded, so a skipped step
+        # leaves the state exactly as it was, and no step allocates gradient-sized memory.
         flat = region
         sizes = [v.numel() for v in views]
         k = sum(self.count(n) for n in sizes)
-        st = self.state.get(key)
-        if self.momentum > 0:
-            u = st["u"] * self.momentum + flat if st else flat.clone()
-            acc = (st["v"] + u) if st else u.clone()
-        else:
-            if self.error_feedback:
-                acc = flat + st["residual"] if st else flat.clone()
-            else:
-                acc = flat
-        mag = acc.abs()
-        finite = bool(torch.isfinite(mag.sum()))     # one pass; an overflowing sum is a gradient worth skipping
-        payload = torch.zeros(2 * k + 1)
+        st = self.state.get(key, {})
+        finite = bool(torch.isfinite(flat.sum()))   # one pass; an overflowing sum is a gradient worth skipping
+        payload = torch.zeros(2 * k + 1, device=flat.device)
         if finite:
+            new = self._accumulate(flat, st)
+            acc = new.get("v", new.get("residual", new.get("u", flat)))
+            mag = st.get("mag")
+            mag = torch.abs(acc, out=mag) if mag is not None else acc.abs()
             idx = self._select_per_tensor(mag, sizes)
             payload[:idx.numel()] = acc[idx]
             payload[k:k + idx.numel()] = idx.to(torch.int32).view(torch.float32)
@@ -143,17 +147,32 @@ class TopK:
         if not bool(torch.isfinite(gathered[:, -1]).all()):
             _poison(region)
             return
-        values = gathered[:, :k].reshape(-1)
+        values = gathered[:, :k].reshape(-1) * scale
         indices = gathered[:, k:2 * k].contiguous().view(torch.int32).reshape(-1).long()
         flat.zero_().index_add_(0, indices, values)
-        # state: what was sent leaves the accumulators (padding slots carried zeros and are not in idx)
+        if new:                # what was sent leaves the accumulators (momentum factor masking too)
+            for name in ("u", "v", "residual"):
+                if name in new:
+                    new[name][idx] = 0.0
+            spares = {f"spare_{n}": st[n] for n in ("u", "v", "residual") if n in st}
+            self.state[key] = {**new, **spares, "mag": mag}
+
+    def _accumulate(self, flat, st):
+        """This step's accumulators, {} when there are none (no error feedback, no momentum)."""
+        def into(name, value_fn, clone_of):
+            spare = st.get(f"spare_{name}")
+            if name in st:
+                return value_fn(spare)
+            return clone_of.clone()
         if self.momentum > 0:
-            acc[idx] = 0.0
-            u[idx] = 0.0
-            self.state[key] = {"u": u, "v": acc}
-        elif self.error_feedback:
-            acc[idx] = 0.0
-            self.state[key] = {"residual": acc}
+            u = into("u", lambda out: torch.add(flat, st["u"], alpha=self.momentum, out=out), flat)
+            if not self.error_feedback:
+                return {"u": u}
+            v = into("v", lambda out: torch.add(st["v"], u, out=out), u)
+            return {"u": u, "v": v}
+        if self.error_feedback:
+            return {"residual": into("residual", lambda out: torch.add(st["residual"], flat, out=out), flat)}
+        return {}
 
 
 class Int8:
@@ -161,6 +180,7 @@ class Int8:
     all-reduce is an all-gather of codes and scales, dequantised and summed locally."""
     phases = 1
     per_tensor = False
+    splittable = True
     lossy = True
 
     def __init__(self, *, block_size=256, error_feedback=True):
@@ -170,21 +190,22 @@ class Int8:
     def wants(self, shape):
         return True
 
-    def exchange(self, key, region, views, group):
+    def exchange(self, key, region, views, group, scale=1.0):
         flat = region
         n, b = flat.numel(), self.block_size
         blocks = -(-n // b)
         st = self.state.get(key)
         acc = flat + st["residual"] if st is not None and self.error_feedback else flat.clone()
-        padded = torch.zeros(blocks * b)
+        padded = torch.zeros(blocks * b, device=flat.device)
         padded[:n] = acc
         rows = padded.view(blocks, b)
-        scale = rows.abs().amax(dim=1) / 127.0
-        finite = bool(torch.isfinite(scale).all())
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        block_scale = rows.abs().amax(dim=1) / 127.0
+        finite = bool(torch.isfinite(block_scale).all())
+        safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
         codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8) if finite else \
-            torch.zeros(blocks, b, dtype=torch.int8)
-        head = torch.cat([scale if finite else torch.full_like(scale, float("nan")), torch.zeros(1)])
+            torch.zeros(blocks, b, dtype=torch.int8, device=flat.device)
+        head = torch.cat([block_scale if finite else torch.full_like(block_scale, float("nan")),
+                          block_scale.new_zeros(1)])
         payload = torch.cat([head.view(torch.uint8), codes.view(-1).view(torch.uint8)])
         out = [torch.empty_like(payload) for _ in range(torch.distributed.get_world_size(group))]
         yield Collective("all_gather", payload, group, out=out)
@@ -193,12 +214,13 @@ class Int8:
         if not bool(torch.isfinite(scales).all()):
             _poison(region)
             return
-        total = torch.zeros(blocks, b)
+        total = torch.zeros(blocks, b, device=flat.device)
+        scales = scales * scale
         for r, p in enumerate(out):
             total += p[head_bytes:].view(torch.int8).view(blocks, b).float() * scales[r][:, None]
         flat.copy_(total.view(-1)[:n])
         if self.error_feedback:
-            mine = codes.float() * scale[:, None]
+            mine = codes.float() * block_scale[:, None]
             self.state[key] = {"residual": acc - mine.view(-1)[:n]}
 
 
@@ -215,6 +237,7 @@ class PowerSGD:
     (rows + cols) x rank is not well below rows x cols go dense (``wants``)."""
     phases = 2
     per_tensor = True
+    splittable = False
     lossy = True
 
     def __init__(self, *, rank=4, error_feedback=True, seed=0):
@@ -227,14 +250,14 @@ class PowerSGD:
         rows, cols = shape[0], math.prod(shape[1:])
         return (rows + cols) * self.rank * 2 <= rows * cols
 
-    def _q(self, key, cols):
+    def _q(self, key, cols, device):
         st = self.state.get(key)
         if st is not None and "q" in st:
             return st["q"]
         g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
-        return torch.randn(cols, self.rank, generator=g)
+        return torch.randn(cols, self.rank, generator=g).to(device)
 
-    def exchange(self, key, region, views, group):
+    def exchange(self, key, region, views, group, scale=1.0):
         # M = gradient + last step's error, formed in the gradient's own buffer (the
         # driver owns it and the result overwrites it); products arranged so that the
         # big matrix is read row by row (M^T P as (P^T M)^T)
@@ -246,7 +269,7 @@ class PowerSGD:
                 m.add_(st["e"])
             ms.append(m)
             states.append(st)
-            qs.append(self._q((key, i), m.shape[1]))
+            qs.append(self._q((key, i), m.shape[1], m.device))
         ps = torch.cat([(m @ q).view(-1) for m, q in zip(ms, qs)])
         yield Collective("all_reduce", ps, group)
         if not bool(torch.isfinite(ps).all()):
@@ -275,7 +298,7 @@ class PowerSGD:
             size = m.shape[1] * self.rank
             q = qsum[offs:offs + size].view(m.shape[1], self.rank)
             offs += size
-            torch.mm(p, q.t(), out=m)
+            torch.mm(p, (q * scale).t(), out=m)
             st = {"q": q.clone()}
             if errors is not None:
                 st["e"] = errors[i]

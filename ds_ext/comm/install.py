@@ -106,8 +106,7 @@ class CompressedReduction:
 def install(engine, section, *, node_of=None, log=print):
     """Attach a GradientReducer for ``section`` (a ``seekspeed.comm`` section) to
     ``engine``; collective over the world when ``section.hierarchical``. ``node_of``:
-    node of each global rank (default: consecutive blocks of LOCAL_WORLD_SIZE)."""
-    import os
+    node of each global rank (default: consecutive blocks of the launcher's ranks per node)."""
     import warnings
     from ds_ext.topology.groups import NodeGroups
     # torch 2.13 routes the sparse all-gather through a deprecated alias and warns on every rank
@@ -117,7 +116,8 @@ def install(engine, section, *, node_of=None, log=print):
         return None
     world = tdist.get_world_size()
     if node_of is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        from ds_ext.topology.setup import local_world_size
+        per_node = local_world_size(world)
         node_of = [r // per_node for r in range(world)]
     node_groups = None
     if section.hierarchical:

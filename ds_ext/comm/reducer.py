@@ -5,8 +5,9 @@ data-parallel all-reduce of a list of gradients (averaging them in place):
 
 - tensors under ``min_numel`` elements, and those the compressor declines (vectors
   for PowerSGD), go dense in one fp32 all-reduce;
-- the rest is flattened and cut into chunks of ``chunk_mb`` (top-k and PowerSGD, which
-  work per tensor: whole tensors grouped up to that size); each chunk is a compressor generator, and up to
+- the rest is flattened and cut into chunks of ``chunk_mb`` (PowerSGD, which needs
+  whole matrices: whole tensors grouped up to that size; top-k selects per tensor, or
+  per piece of a tensor cut at a chunk boundary); each chunk is a compressor generator, and up to
   ``pipeline_depth`` chunks are on the wire while the next one is compressed
   (asynchronous collectives, waited for oldest first);
 - hierarchical (``node_groups`` given and the group spans several nodes): a chunk is
@@ -76,6 +77,7 @@ class GradientReducer:
         self.node_of = node_of
         self.chunk_numel = max(1, int(section.chunk_mb * 2 ** 20 / 4))
         self.steps = 0
+        self._buffers = {}
         self.stats = ReduceStats()
         self.last = None
 
@@ -105,13 +107,14 @@ class GradientReducer:
         chosen = {id(g) for g in big}
         small = [g for g in grads if id(g) not in chosen]
         tasks, buffers = [], []
+        scale = 1.0 / divide_by
         if small:
-            buf = torch.cat([g.reshape(-1).float() for g in small])
+            buf = self._flat((key, "dense"), small)
             buffers.append((small, buf))
-            tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group))
+            tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group, scale))
             self.stats.dense_numel += buf.numel()
         if big:
-            buf = torch.cat([g.reshape(-1).float() for g in big])
+            buf = self._flat((key, "compressed"), big)
             buffers.append((big, buf))
             if comp is self.dense:
                 self.stats.dense_numel += buf.numel()
@@ -119,16 +122,28 @@ class GradientReducer:
                 self.stats.compressed_numel += buf.numel()
             groups = self.node_groups if hierarchical else None
             for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
-                tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c))
+                tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
         self._drive(tasks, group)
-        scale = 1.0 / divide_by
         for tensors, buf in buffers:
-            buf.mul_(scale)
             offset = 0
             for g in tensors:
                 g.copy_(buf[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         self.stats.total_s += time.perf_counter() - start
+
+    def _flat(self, key, tensors):
+        """The tensors concatenated in fp32, in a buffer kept from the last step (a
+        fresh gradient-sized allocation costs more than the copy: page faults)."""
+        numel = sum(g.numel() for g in tensors)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.device != tensors[0].device:
+            buf = torch.empty(numel, dtype=torch.float32, device=tensors[0].device)
+            self._buffers[key] = buf
+        offset = 0
+        for g in tensors:
+            buf[offset:offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        return buf
 
     def _chunks(self, comp, tensors, buf):
         """(region, views): a contiguous slice of ``buf`` and what the compressor sees."""
@@ -136,6 +151,21 @@ class GradientReducer:
             for start in range(0, buf.numel(), self.chunk_numel):
                 region = buf[start:start + self.chunk_numel]
                 yield region, [region]
+            return
+        if comp.splittable:       # per-tensor selection, but a tensor may be cut into chunk-sized pieces
+            start, views = 0, []
+            offset = 0
+            for g in tensors:
+                done = 0
+                while done < g.numel():
+                    take = min(g.numel() - done, self.chunk_numel - (offset - start))
+                    views.append(buf[offset:offset + take])
+                    offset, done = offset + take, done + take
+                    if offset - start >= self.chunk_numel:
+                        yield buf[start:offset], views
+                        start, views = offset, []
+            if views:
+                yield buf[start:offset], views
             return
         start, offset, views = 0, 0, []
         for g in tensors:
@@ -147,18 +177,18 @@ class GradientReducer:
         if views:
             yield buf[start:offset], views
 
-    def _chunk(self, comp, key, region, views, group, groups, index):
+    def _chunk(self, comp, key, region, views, group, groups, index, scale):
         if groups is None or (groups.num_nodes == 1 and groups.local_size == 1):
-            yield from comp.exchange(key, region, views, group)
+            yield from comp.exchange(key, region, views, group, scale)
             return
         if groups.num_nodes == 1:        # one node: the links are fast, nothing to gain from compression
-            yield from self.dense.exchange(key, region, [region], groups.intra_group)
+            yield from self.dense.exchange(key, region, [region], groups.intra_group, scale)
             return
         if groups.local_size > 1:
             yield Collective("all_reduce", region, groups.intra_group)
         owner = index % groups.local_size
         if groups.local_rank == owner:
-            yield from comp.exchange(key, region, views, groups.rail_group)
+            yield from comp.exchange(key, region, views, groups.rail_group, scale)
         else:
             for _ in range(comp.phases):
                 yield Collective("noop")
