@@ -252,6 +252,11 @@ def _ranks(args):
             json.dump({"nodes": world // per_node, "ranks_per_node": per_node, "rows": rows}, f)
     tdist.barrier()
     tdist.destroy_process_group()
+    # Interpreter teardown here sometimes aborts in a gloo thread ("terminate called without
+    # an active exception") after all the work is done and written; leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _launch(method, args, rows_json):
