@@ -47,12 +47,10 @@ def _poison(region):
 class Dense:
     """No compression, or a cast to 16 bits for the wire (``bf16``, ``fp16``)."""
     phases = 1
-    per_tensor = False
     splittable = True
 
     def __init__(self, dtype=torch.float32):
         self.dtype = dtype
-        self.lossy = dtype != torch.float32
 
     def wants(self, shape):
         return True
@@ -82,9 +80,7 @@ class TopK:
     would apply it twice).
     """
     phases = 1
-    per_tensor = True
     splittable = True
-    lossy = True
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
                  seed=0):
@@ -179,9 +175,7 @@ class Int8:
     """Block-wise int8: one fp32 scale (max |x| / 127) per ``block_size`` entries; the
     all-reduce is an all-gather of codes and scales, dequantised and summed locally."""
     phases = 1
-    per_tensor = False
     splittable = True
-    lossy = True
 
     def __init__(self, *, block_size=256, error_feedback=True):
         self.block_size, self.error_feedback = block_size, error_feedback
@@ -236,9 +230,7 @@ class PowerSGD:
     P = M Q, all-reduce P, orthonormalise, Q = M^T P, all-reduce Q. Matrices where
     (rows + cols) x rank is not well below rows x cols go dense (``wants``)."""
     phases = 2
-    per_tensor = True
     splittable = False
-    lossy = True
 
     def __init__(self, *, rank=4, error_feedback=True, seed=0):
         self.rank, self.error_feedback, self.seed = rank, error_feedback, seed

@@ -123,7 +123,7 @@ class GradientReducer:
             groups = self.node_groups if hierarchical else None
             for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
                 tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
-        self._drive(tasks, group)
+        self._drive(tasks)
         for tensors, buf in buffers:
             offset = 0
             for g in tensors:
@@ -147,12 +147,7 @@ class GradientReducer:
 
     def _chunks(self, comp, tensors, buf):
         """(region, views): a contiguous slice of ``buf`` and what the compressor sees."""
-        if not comp.per_tensor:
-            for start in range(0, buf.numel(), self.chunk_numel):
-                region = buf[start:start + self.chunk_numel]
-                yield region, [region]
-            return
-        if comp.splittable:       # per-tensor selection, but a tensor may be cut into chunk-sized pieces
+        if comp.splittable:       # chunk-sized regions; views: the pieces of tensors inside each
             start, views = 0, []
             offset = 0
             for g in tensors:
@@ -195,10 +190,10 @@ class GradientReducer:
         if groups.local_size > 1:
             yield Collective("broadcast", region, groups.intra_group, src=groups.node_ranks[owner])
 
-    def _launch(self, req, default_group):
+    def _launch(self, req):
         if req.kind == "noop":
             return None
-        group = req.group if req.group is not None else default_group
+        group = req.group
         world = tdist.get_world_size(group)
         wire = _wire_bytes(req, world)
         self.stats.collectives += 1
@@ -217,7 +212,7 @@ class GradientReducer:
             return tdist.broadcast(req.tensor, src=req.src, group=group, async_op=True)
         raise ValueError(f"unknown collective {req.kind!r}")
 
-    def _step(self, gen, first, inflight, group):
+    def _step(self, gen, first, inflight):
         t0 = time.perf_counter()
         try:
             req = next(gen) if first else gen.send(None)
@@ -225,9 +220,9 @@ class GradientReducer:
             self.stats.decompress_s += time.perf_counter() - t0
             return
         self.stats.compress_s += time.perf_counter() - t0
-        inflight.append((gen, self._launch(req, group)))
+        inflight.append((gen, self._launch(req)))
 
-    def _drive(self, tasks, group):
+    def _drive(self, tasks):
         depth = max(1, self.section.pipeline_depth)
         inflight = deque()
 
@@ -237,10 +232,10 @@ class GradientReducer:
                 t0 = time.perf_counter()
                 work.wait()
                 self.stats.wait_s += time.perf_counter() - t0
-            self._step(gen, False, inflight, group)
+            self._step(gen, False, inflight)
 
         for gen in tasks:
-            self._step(gen, True, inflight, group)
+            self._step(gen, True, inflight)
             while len(inflight) >= depth:
                 finish_oldest()
         while inflight:
