@@ -81,14 +81,43 @@ class TrainSection:
 @dataclass(kw_only=True)
 class CheckpointSection:
     dir: str | None = None
-    interval_steps: int = 0   # 0: save only at the end
+    interval_steps: int = 0         # 0: no step interval
+    interval_seconds: float = 0.0   # also save when this much wall-clock time has passed (0: off)
     save_final: bool = True
+    # "deepspeed": DeepSpeed's torch.save engine, synchronous; "async-zstd": snapshot, then
+    # compress and write in the background, committed atomically (ds_ext/checkpoint)
+    engine: str = "deepspeed"
+    # async-zstd
+    keep_last: int = 0              # keep the newest N committed checkpoints (0: all)
+    when_busy: str = "wait"         # the previous save is still writing: "wait" for it or "skip" this one
+    on_error: str = "stop"          # a save failed (disk full...): "stop" training or "continue"
+    compression: str = "zstd"       # "zstd" or "none"
+    zstd_level: int = 3
+    zstd_threads: int = 0           # zstd worker threads (0: compress on the writer thread)
+    byte_group: bool = True         # regroup float bytes before compression (exponents together)
+    verify: str = "full"            # on resume: "full" (sha256 of every file) or "size"
 
     def check(self, where):
         if self.dir is not None and not self.dir.strip():
             raise ConfigError(f"{where}.dir must be a path or null (no checkpoints), got an empty string")
         if self.interval_steps < 0:
-            raise ConfigError(f"{where}.interval_steps must be >= 0 (0 = only at the end), got {self.interval_steps}")
+            raise ConfigError(f"{where}.interval_steps must be >= 0 (0 = no step interval), got {self.interval_steps}")
+        if self.interval_seconds < 0:
+            raise ConfigError(f"{where}.interval_seconds must be >= 0 (0 = off), got {self.interval_seconds}")
+        choices = {"engine": ("deepspeed", "async-zstd"), "when_busy": ("wait", "skip"),
+                   "on_error": ("stop", "continue"), "compression": ("zstd", "none"), "verify": ("full", "size")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{where}.{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.keep_last < 0:
+            raise ConfigError(f"{where}.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
+        if self.keep_last and self.engine != "async-zstd":
+            raise ConfigError(f"{where}.keep_last needs engine \"async-zstd\" (DeepSpeed's engine has no "
+                              f"retention); set {where}.engine or remove keep_last")
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"{where}.zstd_level must be in 1..22, got {self.zstd_level}")
+        if self.zstd_threads < 0:
+            raise ConfigError(f"{where}.zstd_threads must be >= 0, got {self.zstd_threads}")
 
 
 @dataclass(kw_only=True)

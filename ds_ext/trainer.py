@@ -25,8 +25,9 @@ def parse_args(argv=None):
                    help="DeepSpeed config with a 'seekspeed' section (ds_configs/*.json)")
     p.add_argument("--steps", type=int, help="override seekspeed.train.steps (total optimizer steps)")
     p.add_argument("--checkpoint-dir", help="override seekspeed.checkpoint.dir")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in the checkpoint directory")
+    p.add_argument("--resume", nargs="?", const="yes", choices=("yes", "auto"), default=None,
+                   help="continue from the newest complete checkpoint in the checkpoint directory; '--resume auto' "
+                        "starts fresh when there is none (for restarts by torchrun or launch/elastic.py)")
     p.add_argument("--summary-json", metavar="PATH", help="write the run summary (rank 0) to PATH")
     p.add_argument("--pipe-trace", metavar="DIR",
                    help="record every pipeline instruction of the last step and write a Chrome trace and a PNG "
@@ -59,7 +60,8 @@ def _config_overrides(args):
 
 
 def _checkpoint_exists(directory):
-    """A DeepSpeed checkpoint lives here: a 'latest' file or a global_step* tag."""
+    """A checkpoint lives here: a 'latest' file or a global_step* tag (torn staging
+    directories of a crashed first save do not count)."""
     if not directory or not os.path.isdir(directory):
         return False
     return any(name == "latest" or name.startswith("global_step") for name in os.listdir(directory))
@@ -94,12 +96,22 @@ def validate(args, *, world_size):
     if s.init_from is not None:
         from .hf_io import check_hf_dir
         check_hf_dir(s.init_from, model_config)
-    if args.resume and not os.path.isfile(os.path.join(s.checkpoint.dir or "", "latest")):
-        raise ConfigError(f"--resume: no checkpoint in {s.checkpoint.dir!r} (no 'latest' file): "
-                          f"run without --resume, or set seekspeed.checkpoint.dir / --checkpoint-dir")
+    if args.resume and not s.checkpoint.dir:
+        raise ConfigError("--resume needs a checkpoint directory: set seekspeed.checkpoint.dir or --checkpoint-dir")
+    if args.resume:
+        from .checkpoint import list_checkpoints
+        found = list_checkpoints(s.checkpoint.dir)[0]
+        if not found and args.resume == "yes":
+            raise ConfigError(f"--resume: no complete checkpoint in {s.checkpoint.dir!r}: run without --resume (or "
+                              f"with --resume auto), or set seekspeed.checkpoint.dir / --checkpoint-dir")
+        if not found:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"--resume auto: no checkpoint in {s.checkpoint.dir} yet, starting fresh", flush=True)
+            args.resume = None
     if not args.resume and _checkpoint_exists(s.checkpoint.dir):
-        raise ConfigError(f"checkpoint directory {s.checkpoint.dir} already holds a checkpoint: pass --resume to "
-                          f"continue it, or choose another --checkpoint-dir (nothing was overwritten)")
+        raise ConfigError(f"checkpoint directory {s.checkpoint.dir} already holds a checkpoint: pass --resume (or "
+                          f"--resume auto) to continue it, or choose another --checkpoint-dir (nothing was "
+                          f"overwritten)")
     return cfg, recipe, model_config, tokenizer
 
 
@@ -162,6 +174,13 @@ class _ControlPlane:
         out = [None] * self.tdist.get_world_size()
         self.tdist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def rank0_decides(self, flag):
+        """Rank 0's ``flag`` on every rank (a decision from a clock, say)."""
+        import torch
+        t = torch.tensor([int(bool(flag))])
+        self.tdist.broadcast(t, src=0, group=self.group)
+        return bool(t.item())
 
     def stop_if_any_failed(self, error, *, rank):
         """Every rank learns whether any rank failed; rank 0 prints each distinct error
@@ -288,7 +307,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     from .pipe.engine import initialize
     engine = initialize(model=model, config=ds_config, schedule=s.schedule,
                         model_parameters=[p for p in model.parameters() if p.requires_grad], comm=s.comm,
-                        node_of=topo.node_of, log=lambda line: print(line, flush=True))
+                        checkpoint=s.checkpoint if s.checkpoint.dir else None, node_of=topo.node_of, log=lambda line: print(line, flush=True))
     if engine.has_moe_layers and rank == 0:
         print(f"moe: {model_config.n_routed_experts} routed experts per layer, expert-parallel degree "
               f"{s.moe.expert_parallel_size} ({model_config.n_routed_experts // s.moe.expert_parallel_size} per rank)",
@@ -308,10 +327,24 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     if start >= total and rank == 0:
         print(f"nothing to do: the checkpoint is at step {start} and seekspeed.train.steps is {total}", flush=True)
 
+    async_ckpt = engine._async_checkpoints()
+    last_save = time.monotonic()
+
     def save(step):
+        nonlocal last_save
         meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config)}
-        engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta})
-        saved.append(step)
+        if engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta}) is not False:
+            saved.append(step)
+        last_save = time.monotonic()
+
+    def save_due(step):
+        if not ckpt_dir or step >= total:
+            return False
+        if s.checkpoint.interval_steps and step % s.checkpoint.interval_steps == 0:
+            return True
+        if s.checkpoint.interval_seconds:
+            return control.rank0_decides(time.monotonic() - last_save >= s.checkpoint.interval_seconds)
+        return False
 
     progress = Progress(start_step=start, total_steps=total, tokens_per_step=layout.tokens_per_step,
                         log_interval=s.train.log_interval, enabled=rank == 0)
@@ -350,10 +383,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
         if parts:
             loss_parts.append({name: float(value) for name, value in parts.items()})
-        if ckpt_dir and s.checkpoint.interval_steps and step % s.checkpoint.interval_steps == 0 and step < total:
+        if save_due(step):
             save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
         save(total)
+    if async_ckpt is not None:
+        async_ckpt.wait()
+        saved = [h["step"] for h in async_ckpt.committed()]
 
     summary = progress.summary()
     summary.update(peak_rss_mib=[round(r, 1) for r in control.gather(peak_rss_mib())], config=cfg.path,
@@ -365,6 +401,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         summary["loss_parts"] = loss_parts
     if comm_steps:
         summary["comm"] = _comm_summary(control, comm_steps, s.comm)
+    if async_ckpt is not None:
+        summary["checkpoint_history"] = async_ckpt.history
     if moe_stats is not None:
         summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:

@@ -356,6 +356,7 @@ class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
 def _engine_class(schedule):
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from ds_ext.comm.install import CompressedReduction
+    from ds_ext.checkpoint.engine import AsyncCheckpointing
     if schedule == "1f1b":
         base, extra = (_TimedSchedule, PipelineEngine), {}
     elif schedule == "dualpipev":
@@ -368,14 +369,15 @@ def _engine_class(schedule):
         raise ValueError(f"no engine for schedule {schedule!r}")
     names = {"1f1b": "SeekspeedPipelineEngine", "dualpipev": "SeekspeedDualPipeVEngineAsIs"}
     name = names.get(schedule, base[0].__name__)
-    # CompressedReduction first: it falls through to DeepSpeed's reduction unless a reducer is installed
-    return type(name, (CompressedReduction, ) + base, {}), extra
+    # Mixins first: each falls through to DeepSpeed unless its part is installed
+    return type(name, (AsyncCheckpointing, CompressedReduction) + base, {}), extra
 
 
-def initialize(*, model, config, model_parameters, schedule, comm=None, node_of=None, log=print):
+def initialize(*, model, config, model_parameters, schedule, comm=None, checkpoint=None, node_of=None, log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
-    needs and, when ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
-    compressed gradient reduction. Follows deepspeed.initialize's pipeline branch
+    needs; when ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
+    compressed gradient reduction; when ``checkpoint`` (a ``seekspeed.checkpoint``
+    section) names engine async-zstd, that checkpoint engine. Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
     no hook for choosing the engine class. Returns the engine."""
     import deepspeed
@@ -394,4 +396,7 @@ def initialize(*, model, config, model_parameters, schedule, comm=None, node_of=
     engine._configure_python_gc()
     if comm is not None:
         install(engine, comm, node_of=node_of, log=log)
+    if checkpoint is not None:
+        from ds_ext.checkpoint.engine import install as install_checkpoints
+        install_checkpoints(engine, checkpoint, log=log)
     return engine
