@@ -25,7 +25,10 @@ def init_distributed(dist_backend=None):
     import deepspeed
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
-    deepspeed.init_distributed(dist_backend=dist_backend or get_accelerator().communication_backend_name())
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    if not tdist.is_initialized() and _restarted_on_shared_agent_store():
+        _init_on_a_fresh_prefix(backend)
+    deepspeed.init_distributed(dist_backend=backend)
     path = _own_shm_buffer(tdist.get_rank())
     if path and os.path.exists(path):
         tdist.barrier()          # every rank has mapped every buffer
@@ -33,3 +36,26 @@ def init_distributed(dist_backend=None):
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _restarted_on_shared_agent_store():
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def _init_on_a_fresh_prefix(backend):
+    """torchrun restarted the workers. Its agent's TCPStore outlives the workers and
+    every round's workers use it without a per-round prefix, so the next round's
+    process groups (named by a counter, the same names again) can read the dead
+    round's gloo addresses and fail with "Connection refused" (seen here on the
+    first new_group after a SIGKILL restart). Join the same store under a prefix
+    of the restart count instead; process groups made later inherit it."""
+    from datetime import timedelta
+    import torch.distributed as tdist
+    from deepspeed.constants import default_pg_timeout
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timedelta(seconds=300))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    tdist.init_process_group(backend, store=tdist.PrefixStore(f"seekspeed/restart{attempt}", store), rank=rank,
+                             world_size=world, timeout=default_pg_timeout)

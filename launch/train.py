@@ -9,8 +9,13 @@
     # the same under torchrun, or one rank with plain python:
     torchrun --nproc_per_node 4 launch/train.py --deepspeed ds_configs/tiny_cpu.json
     python launch/train.py --deepspeed ds_configs/tiny_1rank.json
-    # continue the latest checkpoint of seekspeed.checkpoint.dir:
+    # continue the newest complete checkpoint of seekspeed.checkpoint.dir:
     deepspeed --num_gpus 4 launch/train.py --deepspeed ds_configs/tiny_cpu.json --resume
+    # restart by itself after a rank dies (torchrun does it; DeepSpeed's launcher needs the wrapper):
+    torchrun --nproc_per_node 4 --max_restarts 3 --rdzv_backend c10d --rdzv_endpoint localhost:29400 \
+        launch/train.py --deepspeed ds_configs/tiny_cpu.json --resume auto
+    python launch/elastic.py --max-restarts 3 -- \
+        deepspeed --hostfile hosts launch/train.py --deepspeed ds_configs/128node.json --resume auto
 """
 
 import os

@@ -67,20 +67,22 @@ def _trainer_rank(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-RESUME_CASES = {   # config, world size, expert-parallel degree
-    "1f1b": ("tiny_cpu.json", 2, 1),
-    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1),
-    "moe-ep2": ("tiny_moe_cpu.json", 4, 2),
+RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine
+    "1f1b": ("tiny_cpu.json", 2, 1, "deepspeed"),
+    "1f1b-async-zstd": ("tiny_cpu.json", 2, 1, "async-zstd"),
+    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1, "deepspeed"),
+    "moe-ep2": ("tiny_moe_cpu.json", 4, 2, "deepspeed"),
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", sorted(RESUME_CASES))
 def test_resume_continues_the_same_trajectory(tmp_path, case):
-    config, world, ep = RESUME_CASES[case]
+    config, world, ep, engine = RESUME_CASES[case]
 
     def mutate(c):
         c["seekspeed"]["checkpoint"]["interval_steps"] = 3
+        c["seekspeed"]["checkpoint"]["engine"] = engine
         c["seekspeed"].setdefault("moe", {})["expert_parallel_size"] = ep
     cfg = _config(tmp_path, config, mutate)
     full, sfull = tmp_path / "full", tmp_path / "full.json"
