@@ -102,7 +102,7 @@ def validate(args, *, world_size):
         from .checkpoint import list_checkpoints
         found = list_checkpoints(s.checkpoint.dir)[0]
         if not found and args.resume == "yes":
-            raise ConfigError(f"--resume: no complete checkpoint in {s.checkpoint.dir!r}: run without --resume (or "
+            raise ConfigError(f"--resume: no checkpoint in {s.checkpoint.dir!r} (none complete): run without --resume (or "
                               f"with --resume auto), or set seekspeed.checkpoint.dir / --checkpoint-dir")
         if not found:
             if int(os.environ.get("RANK", "0")) == 0:

@@ -6,7 +6,7 @@ is taken, byte grouping compressing better than plain zstd, a flipped byte and a
 truncated file reported with the file's name, the catalog's choice of the newest
 complete checkpoint among torn, corrupt and foreign ones.
 Two gloo ranks: nothing is committed until every rank has written; ``when_busy``
-skip and wait; retention; a full disk (a 3 MB tmpfs, needs root) fails the save
+skip; retention; DeepSpeed's own format read by the same engine; a full disk (a 3 MB tmpfs, needs root) fails the save
 cleanly with the previous checkpoint intact, per ``on_error``.
 SIGKILL at random moments over 16 trials of a 2-rank job saving every step: no trial
 leaves a torn checkpoint that verifies, every committed one loads with the right
@@ -205,6 +205,14 @@ def _commit_protocol_rank(save_dir):
     out["dirs"] = sorted(n for n in os.listdir(save_dir) if not n.startswith("zero"))
     out["latest"] = catalog.read_latest(save_dir)
     out["manifest_files"] = sorted(catalog.read_manifest(os.path.join(save_dir, "global_step5"))["files"])
+    # a newer checkpoint in DeepSpeed's own format (torch.save, 'latest', no manifest) is read too
+    if rank == 0:
+        os.makedirs(os.path.join(save_dir, "global_step9"))
+        torch.save({"w": torch.full((10, ), 9.0)}, os.path.join(save_dir, "global_step9", "rank0.pt"))
+        catalog.write_atomic(os.path.join(save_dir, "latest"), b"global_step9")
+    tdist.barrier()
+    out["resolved"] = ckpt.resolve(save_dir)
+    out["loaded"] = ckpt.load(os.path.join(save_dir, "global_step9", "rank0.pt"))["w"].tolist()
     return out
 
 
@@ -219,6 +227,7 @@ def test_commit_waits_for_every_rank_skip_and_retention(tmp_path):
     assert res[0]["dirs"] == ["global_step4", "global_step5", "latest"]        # keep_last = 2
     assert res[0]["latest"] == "global_step5"
     assert res[0]["manifest_files"] == ["rank0.pt", "rank1.pt"]
+    assert all(r["resolved"] == "global_step9" and r["loaded"] == [9.0] * 10 for r in res)
 
 
 def _disk_full_rank(save_dir, on_error):

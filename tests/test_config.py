@@ -166,6 +166,10 @@ def test_missing_and_invalid_json(tmp_path):
     (lambda c: c["zero_optimization"].update(stage="1"), "stage '1' cannot be used"),
     (lambda c: c["seekspeed"].update(recipe=None), "seekspeed.recipe: expected an object"),
     (lambda c: c["seekspeed"]["checkpoint"].update(dir=""), "must be a path or null"),
+    (lambda c: c["seekspeed"]["checkpoint"].update(engine="async"), "engine 'async' is not one of"),
+    (lambda c: c["seekspeed"]["checkpoint"].update(keep_last=3), "keep_last needs engine \"async-zstd\""),
+    (lambda c: c["seekspeed"]["checkpoint"].update(engine="async-zstd", when_busy="queue"), "when_busy 'queue'"),
+    (lambda c: c["seekspeed"]["checkpoint"].update(engine="async-zstd", zstd_level=30), "zstd_level must be"),
 ])
 def test_deepspeed_and_section_mistakes_are_one_line(tmp_path, mutate, expected):
     assert expected in _error(tmp_path, mutate)

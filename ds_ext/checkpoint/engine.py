@@ -376,7 +376,7 @@ class AsyncCheckpointing:
             ckpt.seal()
         return True
 
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         ckpt = self._async_checkpoints()
         if ckpt is not None:
             ckpt.wait()
@@ -384,7 +384,7 @@ class AsyncCheckpointing:
                 tag = ckpt.resolve(load_dir)
                 if tag is None:
                     return None, None
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        return super().load_checkpoint(load_dir, tag, *args, **kwargs)
 
     def train_batch(self, *args, **kwargs):
         loss = super().train_batch(*args, **kwargs)

@@ -20,6 +20,7 @@ import os
 import pickle
 import struct
 
+import numpy as np
 import torch
 
 MAGIC = b"SSCKPT01"
@@ -141,8 +142,9 @@ def _iter_payload(t, byte_group):
             yield flat[i:i + step].numpy()
         return
     run = GROUP_ELEMENTS * size
-    for i in range(0, flat.numel(), run):
-        yield flat[i:i + run].view(-1, size).t().contiguous().numpy()
+    raw = flat.numpy()
+    for i in range(0, raw.size, run):       # numpy's transposing copy is ~7x torch's for uint8 here
+        yield np.ascontiguousarray(raw[i:i + run].reshape(-1, size).T)
 
 
 def write(path, snap, *, codec="zstd", level=3, threads=0, byte_group=True):
@@ -257,12 +259,13 @@ def _read_tensor(stream, spec, header, path):
     size = t.element_size()
     if header["byte_group"] and _grouped(t):
         run = header["group_elements"] * size
-        scratch = torch.empty(min(run, flat.numel()), dtype=torch.uint8)
-        for i in range(0, flat.numel(), run):
-            n = min(run, flat.numel() - i)
+        raw = flat.numpy()
+        scratch = np.empty(min(run, raw.size), dtype=np.uint8)
+        for i in range(0, raw.size, run):
+            n = min(run, raw.size - i)
             part = scratch[:n]
-            _read_exact(stream, memoryview(part.numpy()), path)
-            flat[i:i + n].view(-1, size).copy_(part.view(size, -1).t())
+            _read_exact(stream, memoryview(part), path)
+            raw[i:i + n].reshape(-1, size)[...] = part.reshape(size, -1).T
     else:
         _read_exact(stream, memoryview(flat.numpy()), path)
     if spec["param"]:
