@@ -52,11 +52,31 @@ class DataSection:
     seq_len: int = 128
     num_proc: int = 1
     max_documents: int | None = None
+    # "memory": each data rank tokenises its share into RAM; "tiered": packed shards on disk
+    # (built once), one global order, read through a hot/cold tier (ds_ext/data/tiers.py)
+    pipeline: str = "memory"
+    # tiered
+    cache_dir: str | None = None      # the cold tier: where packed shards are built/read (default: the cache)
+    hot_dir: str | None = None        # local fast directory for the hot tier (null: read the cold tier directly)
+    hot_budget_mb: float = 1024.0
+    policy: str = "next-use"          # hot-tier eviction: "next-use" (farthest next use) or "lru"
+    prefetch: bool = True             # fetch the shards the known order needs next, in the background
+    rows_per_shard: int = 2048
+    shuffle_window: int = 4           # shards whose rows are shuffled together
 
     def check(self, where):
         formats = ("auto", "text", "json", "parquet", "saved")
         if self.format not in formats:
             raise ConfigError(f"{where}.format {self.format!r} is not one of {list(formats)}")
+        if self.pipeline not in ("memory", "tiered"):
+            raise ConfigError(f"{where}.pipeline {self.pipeline!r} is not one of ['memory', 'tiered']")
+        if self.policy not in ("next-use", "lru"):
+            raise ConfigError(f"{where}.policy {self.policy!r} is not one of ['next-use', 'lru']")
+        for name in ("rows_per_shard", "shuffle_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hot_budget_mb <= 0:
+            raise ConfigError(f"{where}.hot_budget_mb must be positive, got {self.hot_budget_mb}")
         if self.seq_len < 2:
             raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
         if self.num_proc < 1:

@@ -139,14 +139,22 @@ def _partition_method(ds, recipe):
 
 # What a checkpoint must agree on for --resume to continue the same sample order.
 _RESUME_KEYS = ("data_parallel", "micro_batch", "grad_accum", "seq_len", "schedule_steps", "source", "tokenizer",
-                "max_documents", "seed")
+                "max_documents", "seed", "data_order")
 
 
 def _resume_state(cfg):
     s, lay = cfg.section, cfg.layout
     return {"data_parallel": lay.data_parallel, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
             "seq_len": lay.seq_len, "schedule_steps": s.train.steps, "source": s.data.source,
-            "tokenizer": s.data.tokenizer, "max_documents": s.data.max_documents, "seed": s.train.seed}
+            "tokenizer": s.data.tokenizer, "max_documents": s.data.max_documents, "seed": s.train.seed,
+            "data_order": _data_order(s.data)}
+
+
+def _data_order(data):
+    """What the sample order depends on beyond the keys above (hot/cold tier settings do not count)."""
+    if data.pipeline == "memory":
+        return "memory"
+    return f"tiered rows_per_shard={data.rows_per_shard} shuffle_window={data.shuffle_window}"
 
 
 def _check_resume_state(saved, cfg, path):
@@ -154,6 +162,7 @@ def _check_resume_state(saved, cfg, path):
         raise ConfigError(f"--resume: {path} was not written by seekspeed (no data position in it); "
                           f"start a new run in another --checkpoint-dir")
     now = _resume_state(cfg)
+    saved = {"data_order": "memory"} | saved        # checkpoints from before the tiered pipeline
     diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in _RESUME_KEYS if saved.get(k) != now[k]]
     if diff:
         raise ConfigError(f"--resume: {path} was trained with other settings ({'; '.join(diff)}): resume with the "
@@ -233,6 +242,48 @@ def run(args):
             torch.distributed.destroy_process_group()
 
 
+def _packed_store(data, tokenizer, control, *, rank):
+    """The tiered pipeline's packed shards: rank 0 builds them if missing (the others
+    wait), then every rank opens the same cache."""
+    from .data.sources import cache_dir
+    from .data.store import build, cache_key, open_store
+    root = data.cache_dir or str(cache_dir() / "packed")
+    error = None
+    if rank == 0:
+        try:
+            build(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard,
+                  log=lambda m: print(m, flush=True))
+        except SeekspeedError as exc:
+            error = exc
+        except OSError as exc:
+            error = DataError(f"seekspeed.data.cache_dir {root}: cannot build the packed cache ({exc})")
+    control.stop_if_any_failed(error, rank=rank)
+    settings, key = cache_key(data, tokenizer, rows_per_shard=data.rows_per_shard)
+    store = open_store(os.path.join(root, key), settings=settings)
+    control.stop_if_any_failed(None if store is not None else DataError(
+        f"seekspeed.data.cache_dir {root}: rank 0 built the packed cache but this rank cannot read it; the "
+        f"cache directory must be shared by all ranks"), rank=rank)
+    if rank == 0:
+        print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards at {store.root} "
+              f"({store.index['documents']:,} documents)", flush=True)
+    return store
+
+
+def _tiered_batches(s, layout, store, *, dp_rank, stage):
+    from .data.order import SampleOrder
+    from .data.tiers import ColdTier, HotTier, TierStats, TieredBatches
+    d = s.data
+    order = SampleOrder([sh["rows"] for sh in store.shards], seed=s.train.seed, window=d.shuffle_window,
+                        dp_size=layout.data_parallel, micro_batch=layout.micro_batch)
+    cold = ColdTier(store.root)
+    hot = None
+    if d.hot_dir:
+        hot = HotTier(store, cold, os.path.join(d.hot_dir, f"dp{dp_rank}-stage{stage}"),
+                      budget_bytes=int(d.hot_budget_mb * 1e6), policy=d.policy, stats=TierStats(),
+                      min_shards=d.shuffle_window)
+    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch)
+
+
 def _load_rows(s, layout, tokenizer, model_config, *, shard):
     from .data import packed_sequences
     try:
@@ -290,8 +341,16 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     if has_moe:
         moe.configure_balancing(model, alpha=s.moe.balance_loss_alpha, grad_scale=1.0 / layout.grad_accum)
 
+    store = None
+    if s.data.pipeline == "tiered":
+        store = _packed_store(s.data, tokenizer, control, rank=rank)
     batches, error = None, None
-    if stage in data_stages(s.schedule, layout.pipe_stages):
+    if store is not None and stage in data_stages(s.schedule, layout.pipe_stages):
+        try:
+            batches = _tiered_batches(s, layout, store, dp_rank=dp_rank, stage=stage)
+        except SeekspeedError as exc:
+            error = exc
+    elif stage in data_stages(s.schedule, layout.pipe_stages):
         try:
             t0 = time.perf_counter()
             rows = _load_rows(s, layout, tokenizer, model_config, shard=dp_rank)
@@ -403,6 +462,11 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         summary["comm"] = _comm_summary(control, comm_steps, s.comm)
     if async_ckpt is not None:
         summary["checkpoint_history"] = async_ckpt.history
+    if store is not None:
+        tiers = control.gather(batches.figures() if batches is not None else None)
+        summary["data_tiers"] = [t for t in tiers if t is not None]
+        if batches is not None:
+            batches.close()
     if moe_stats is not None:
         summary["moe"] = {k: v for k, v in moe_stats.items() if k != "line"}
     if rank == 0:

@@ -67,22 +67,25 @@ def _trainer_rank(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine
-    "1f1b": ("tiny_cpu.json", 2, 1, "deepspeed"),
-    "1f1b-async-zstd": ("tiny_cpu.json", 2, 1, "async-zstd"),
-    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1, "deepspeed"),
-    "moe-ep2": ("tiny_moe_cpu.json", 4, 2, "deepspeed"),
+RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine, data pipeline
+    "1f1b": ("tiny_cpu.json", 2, 1, "deepspeed", "memory"),
+    "1f1b-async-zstd-tiered": ("tiny_cpu.json", 2, 1, "async-zstd", "tiered"),
+    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1, "deepspeed", "memory"),
+    "moe-ep2": ("tiny_moe_cpu.json", 4, 2, "deepspeed", "memory"),
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", sorted(RESUME_CASES))
 def test_resume_continues_the_same_trajectory(tmp_path, case):
-    config, world, ep, engine = RESUME_CASES[case]
+    config, world, ep, engine, pipeline = RESUME_CASES[case]
 
     def mutate(c):
         c["seekspeed"]["checkpoint"]["interval_steps"] = 3
         c["seekspeed"]["checkpoint"]["engine"] = engine
+        if pipeline == "tiered":   # packed shards, a hot tier of 8 of them: the run reads through the tiers
+            c["seekspeed"]["data"].update(pipeline="tiered", cache_dir=str(tmp_path / "cold"),
+                                          hot_dir=str(tmp_path / "hot"), hot_budget_mb=8, rows_per_shard=512)
         c["seekspeed"].setdefault("moe", {})["expert_parallel_size"] = ep
     cfg = _config(tmp_path, config, mutate)
     full, sfull = tmp_path / "full", tmp_path / "full.json"

@@ -1,0 +1,382 @@
+"""Hot/cold tiers under the packed shards, and the micro-batch iterator over them.
+
+Cold tier: where every shard lives (a slow shared path, or an fsspec URL). Hot tier:
+a local fast directory holding at most ``budget`` bytes of shards, memory-mapped. A
+background prefetcher walks this rank's known future order and copies the shards
+it will need next from cold to hot; when the budget is full it evicts, with policy
+``next-use``, the resident shard whose next use is farthest away (Belady's rule,
+possible because the order is known), or, with ``lru``, the least recently used one.
+Without a hot tier every row is read from the cold tier when it is needed.
+
+None of this changes which rows a micro-batch holds: that is SampleOrder's alone.
+"""
+
+import collections
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ds_ext.errors import DataError
+
+_NPY_HEADER_MAX = 4096
+
+
+class ColdTier:
+    """Reads shards from ``root`` (a local path or an fsspec URL), retrying with
+    exponential back-off before failing with an error that names the path.
+    ``throttle_mb_s`` caps the read rate and ``latency_ms`` is added to every request
+    (benchmarks: a slow shared store; this kernel's tc has no netem for latency)."""
+
+    def __init__(self, root, *, retries=4, backoff_s=0.5, throttle_mb_s=None, latency_ms=0.0):
+        self.root = str(root)
+        self.latency_s = latency_ms / 1000.0
+        self.retries, self.backoff_s = retries, backoff_s
+        self.throttle = throttle_mb_s * 1e6 if throttle_mb_s else None
+        self._lock = threading.Lock()
+        self._next_free = time.monotonic()
+        self.bytes_read = 0
+
+    def _url(self, name):
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def _open(self, name):
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if "://" in self.root:
+            import fsspec
+            return fsspec.open(self._url(name), "rb").open()
+        return open(os.path.join(self.root, name), "rb")
+
+    def _pace(self, nbytes):
+        """Hold the caller until ``nbytes`` fit under the throttle (one shared link)."""
+        self.bytes_read += nbytes
+        if self.throttle is None:
+            return
+        with self._lock:
+            start = max(self._next_free, time.monotonic())
+            self._next_free = start + nbytes / self.throttle
+            wait = self._next_free - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+    def _retrying(self, what, fn):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except OSError as exc:
+                if attempt == self.retries:
+                    raise DataError(f"cold tier: cannot read {what} ({exc.__class__.__name__}: {exc}) after "
+                                    f"{self.retries + 1} tries over {self.backoff_s * (2 ** self.retries - 1):.1f} s; "
+                                    f"check that seekspeed.data.cache_dir is reachable") from None
+                time.sleep(delay)
+                delay *= 2
+
+    def header(self, name):
+        def go():
+            with self._open(name) as f:
+                return npy_header_bytes(f)
+        return self._retrying(self._url(name), go)
+
+    def read_rows(self, name, offsets, *, row_bytes, header):
+        """Rows at ``offsets`` of shard ``name`` (direct reads, no hot tier)."""
+        def go():
+            with self._open(name) as f:
+                out = []
+                for i, off in enumerate(offsets):
+                    if i and self.latency_s:       # every row is its own request
+                        time.sleep(self.latency_s)
+                    f.seek(header + int(off) * row_bytes)
+                    data = f.read(row_bytes)
+                    if len(data) != row_bytes:
+                        raise OSError(f"{self._url(name)} ends early")
+                    self._pace(row_bytes)
+                    out.append(data)
+                return out
+        return self._retrying(self._url(name), go)
+
+    def copy_to(self, name, dest, *, chunk=4 << 20):
+        """Copy shard ``name`` to the local path ``dest`` (temporary file, then rename)."""
+        tmp = f"{dest}.part"
+
+        def go():
+            with self._open(name) as src, open(tmp, "wb") as out:
+                while True:
+                    data = src.read(chunk)
+                    if not data:
+                        break
+                    self._pace(len(data))
+                    out.write(data)
+            os.replace(tmp, dest)
+        try:
+            return self._retrying(self._url(name), go)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def npy_header_bytes(f):
+    """Bytes before the array data of the .npy file open as ``f``."""
+    import numpy.lib.format as npf
+    version = npf.read_magic(f)
+    if version == (1, 0):
+        npf.read_array_header_1_0(f)
+    elif version == (2, 0):
+        npf.read_array_header_2_0(f)
+    else:
+        raise OSError(f"unsupported .npy version {version}")
+    return f.tell()
+
+
+class TierStats:
+
+    def __init__(self):
+        self.hits = self.misses = 0
+        self.bytes_fetched = 0
+        self.wait_s = 0.0          # time micro-batches waited for data
+        self.batches = 0
+
+    def figures(self):
+        total = self.hits + self.misses
+        return {"hit_rate": self.hits / total if total else None, "hits": self.hits, "misses": self.misses,
+                "bytes_fetched": self.bytes_fetched, "wait_s": self.wait_s, "batches": self.batches}
+
+
+class HotTier:
+    """Shards copied from ``cold`` into ``directory`` under a byte ``budget``."""
+
+    def __init__(self, store, cold, directory, *, budget_bytes, policy, stats, min_shards=1):
+        if policy not in ("next-use", "lru"):
+            raise ValueError(f"unknown eviction policy {policy!r}")
+        biggest = max(store.shard_bytes(s) for s in range(len(store.shards)))
+        if budget_bytes < (min_shards + 1) * biggest:
+            raise DataError(f"seekspeed.data.hot_budget_mb {budget_bytes / 1e6:.1f} MB holds fewer than "
+                            f"{min_shards + 1} shards of {biggest / 1e6:.1f} MB (a micro-batch can touch "
+                            f"{min_shards}: data.shuffle_window): raise it, or lower data.rows_per_shard")
+        self.store, self.cold, self.dir = store, cold, directory
+        self.budget, self.policy, self.stats = budget_bytes, policy, stats
+        shutil.rmtree(directory, ignore_errors=True)    # a hot tier is a cache: start empty
+        os.makedirs(directory)
+        self._resident = collections.OrderedDict()      # shard -> bytes, least recently used first
+        self._arrays = {}
+        self._fetching = {}
+        self._lock = threading.Condition()
+        self._used = 0
+        self.next_use = lambda shard: float("inf")      # set by the iterator (next-use policy)
+        self.pinned = set()
+
+    def _path(self, shard):
+        return os.path.join(self.dir, self.store.shard_name(shard))
+
+    def resident(self, shard):
+        with self._lock:
+            return shard in self._resident
+
+    def _victim(self, exclude):
+        candidates = [s for s in self._resident if s not in self.pinned and s not in exclude]
+        if not candidates:
+            return None
+        if self.policy == "lru":
+            return candidates[0]
+        return max(candidates, key=self.next_use)
+
+    def fetch(self, shard, *, prefetch=False):
+        """Make ``shard`` resident. A prefetch gives up (returns False) rather than
+        evict a shard needed sooner than ``shard``."""
+        size = self.store.shard_bytes(shard)
+        with self._lock:
+            while shard in self._fetching:
+                self._lock.wait()
+            if shard in self._resident:
+                return True
+            while self._used + size > self.budget:
+                victim = self._victim({shard})
+                if victim is None or (prefetch and self.next_use(victim) <= self.next_use(shard)):
+                    return False
+                self._evict(victim)
+            self._fetching[shard] = True
+            self._used += size
+        try:
+            self.cold.copy_to(self.store.shard_name(shard), self._path(shard))
+        except BaseException:
+            with self._lock:
+                self._used -= size
+                del self._fetching[shard]
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            del self._fetching[shard]
+            self._resident[shard] = size
+            self.stats.bytes_fetched += size
+            self._lock.notify_all()
+        return True
+
+    def _evict(self, shard):
+        self._used -= self._resident.pop(shard)
+        self._arrays.pop(shard, None)
+        try:
+            os.unlink(self._path(shard))     # a mapping still in use stays valid until dropped
+        except FileNotFoundError:
+            pass
+
+    def array(self, shard):
+        """The shard's rows, memory-mapped; fetched now (a miss) when not resident."""
+        with self._lock:
+            hit = shard in self._resident
+            if hit:
+                self._resident.move_to_end(shard)
+        if hit:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+            if not self.fetch(shard):
+                raise DataError(f"hot tier {self.dir}: no room for shard {shard} next to the {len(self.pinned)} "
+                                f"shards the current micro-batch uses; raise seekspeed.data.hot_budget_mb")
+            with self._lock:
+                self._resident.move_to_end(shard)
+        arr = self._arrays.get(shard)
+        if arr is None:
+            arr = self._arrays[shard] = np.load(self._path(shard), mmap_mode="r")
+        return arr
+
+
+class TieredBatches:
+    """Endless micro-batches ``(input_ids, labels)`` of one data-parallel rank in
+    SampleOrder's order, read through the tiers. ``position`` counts micro-batches
+    served (resume sets it). The order is known, so the next use of every shard is
+    too: this rank's uses are tabulated per epoch (this one and the next), which the
+    next-use policy and the prefetcher read."""
+
+    def __init__(self, store, order, *, dp_rank, cold, hot=None, prefetch=True, prefetch_shards=None):
+        if order.steps_per_epoch == 0:
+            raise DataError(f"{order.num_rows} packed sequences cannot fill one step of {order.dp_size} replicas x "
+                            f"micro-batch {order.micro_batch}: add data or lower the batch")
+        self.store, self.order, self.dp_rank = store, order, dp_rank
+        self.cold, self.hot = cold, hot
+        self.stats = hot.stats if hot is not None else TierStats()
+        self.position = 0
+        self.row_bytes = store.row_len * store.dtype.itemsize
+        self._header = {}
+        self._uses_cache = {}
+        self._uses_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._error = None
+        self._thread = None
+        if hot is not None:
+            per_shard = max(store.shard_bytes(s) for s in range(len(store.shards)))
+            # look as far ahead as the budget holds: a fetch never evicts a shard needed sooner
+            self.prefetch_shards = prefetch_shards or max(1, hot.budget // per_shard)
+            hot.next_use = self.next_use
+            if prefetch:
+                self._thread = threading.Thread(target=self._prefetch, name="seekspeed-prefetch", daemon=True)
+                self._thread.start()
+
+    def _uses(self, epoch):
+        """shard -> sorted positions (micro-batches) of ``epoch`` at which this rank reads it."""
+        with self._uses_lock:
+            if epoch in self._uses_cache:
+                return self._uses_cache[epoch]
+            o = self.order
+            steps = np.arange(o.steps_per_epoch)
+            idx = steps[:, None] * o.per_step + self.dp_rank * o.micro_batch + np.arange(o.micro_batch)[None, :]
+            shards = o.shard_of(o.epoch(epoch)[idx])                       # (steps, micro_batch)
+            pairs = np.unique(np.stack([shards.reshape(-1), np.repeat(steps, o.micro_batch)], axis=1), axis=0)
+            uses = {}
+            for shard, first, last in _runs(pairs[:, 0]):
+                uses[int(shard)] = pairs[first:last, 1] + epoch * o.steps_per_epoch
+            self._uses_cache = {e: u for e, u in self._uses_cache.items() if e >= epoch - 1}
+            self._uses_cache[epoch] = uses
+            return uses
+
+    def next_use(self, shard, position=None):
+        position = self.position if position is None else position
+        epoch = position // self.order.steps_per_epoch
+        for e in (epoch, epoch + 1):
+            arr = self._uses(e).get(shard)
+            if arr is not None:
+                i = np.searchsorted(arr, position)
+                if i < len(arr):
+                    return int(arr[i])
+        return float("inf")
+
+    def upcoming(self, count):
+        """The next ``count`` distinct shards this rank reads, in order of first use."""
+        seen, m = [], self.position
+        limit = self.position + 2 * self.order.steps_per_epoch
+        while len(seen) < count and m < limit:
+            for s in self.order.shard_of(self.order.rows(m, self.dp_rank)):
+                if int(s) not in seen:
+                    seen.append(int(s))
+            m += 1
+        return seen[:count]
+
+    def _prefetch(self):
+        while not self._stop:
+            try:
+                for shard in self.upcoming(self.prefetch_shards):
+                    if self._stop:
+                        return
+                    if not self.hot.resident(shard) and not self.hot.fetch(shard, prefetch=True):
+                        break                      # the budget is full of shards needed sooner
+            except Exception as exc:               # surfaced by the next __next__
+                self._error = exc
+                return
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+
+    def figures(self):
+        out = self.stats.figures()
+        if self.hot is None:
+            out["bytes_fetched"] = self.cold.bytes_read
+        return out
+
+    def close(self):
+        self._stop = True
+        self._wake.set()
+
+    def __iter__(self):
+        return self
+
+    def _header_of(self, shard):
+        if shard not in self._header:
+            self._header[shard] = self.cold.header(self.store.shard_name(shard))
+        return self._header[shard]
+
+    def __next__(self):
+        if self._error is not None:
+            raise self._error
+        start = time.perf_counter()
+        rows = self.order.rows(self.position, self.dp_rank)
+        shards = self.order.shard_of(rows)
+        offsets = rows - self.order.starts[shards]
+        if self.hot is not None:
+            self.hot.pinned = set(int(s) for s in np.unique(shards))
+            self._wake.set()
+        out = np.empty((len(rows), self.store.row_len), dtype=self.store.dtype)
+        for s in np.unique(shards):
+            mask = shards == s
+            if self.hot is not None:
+                out[mask] = self.hot.array(int(s))[offsets[mask]]
+            else:
+                raw = self.cold.read_rows(self.store.shard_name(int(s)), offsets[mask], row_bytes=self.row_bytes,
+                                          header=self._header_of(int(s)))
+                out[mask] = np.frombuffer(b"".join(raw), dtype=self.store.dtype).reshape(-1, self.store.row_len)
+        self.position += 1
+        self.stats.batches += 1
+        self.stats.wait_s += time.perf_counter() - start
+        return torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
+
+
+def _runs(sorted_values):
+    """(value, first index, end index) of each run of equal values."""
+    if len(sorted_values) == 0:
+        return []
+    edges = np.flatnonzero(np.diff(sorted_values)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [len(sorted_values)]])
+    return [(sorted_values[a], a, b) for a, b in zip(starts, ends)]

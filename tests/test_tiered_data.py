@@ -1,0 +1,188 @@
+"""The tiered data pipeline (ds_ext/data/store.py, order.py, tiers.py), single process.
+
+Packed shards built once and reused, rebuilt (never reused) when a setting they
+depend on changes; a failed build leaves nothing that looks complete. The sample
+order: every row once per epoch across the data-parallel ranks, different epochs
+differ, and the micro-batches are identical whatever the tiering (direct cold reads,
+LRU, next-use with prefetch, budgets) and whether the run was resumed mid-epoch.
+Next-use eviction fetches fewer bytes than LRU under the same budget. A cold tier
+that disappears is retried with back-off, then reported naming the path. Bad input
+(empty documents, undecodable bytes, too little data) fails in one line and leaves
+no cache behind.
+A few seconds."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ds_ext.config import DataSection
+from ds_ext.data import ByteTokenizer
+from ds_ext.data.order import SampleOrder
+from ds_ext.data.store import build, cache_key
+from ds_ext.data.tiers import ColdTier, HotTier, TierStats, TieredBatches
+from ds_ext.errors import DataError
+
+
+def _corpus(tmp_path, n=300, name="docs.jsonl"):
+    rng = np.random.default_rng(0)
+    path = tmp_path / name
+    if path.exists():
+        return path
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in rng.integers(0, 50, size=int(rng.integers(5, 80))))
+            f.write(json.dumps({"text": f"doc {i}: {words}"}) + "\n")
+    return path
+
+
+def _data(path, **kw):
+    return DataSection(source=str(path), seq_len=31, pipeline="tiered", **kw)
+
+
+def _store(tmp_path, rows_per_shard=16, **kw):
+    data = _data(_corpus(tmp_path), rows_per_shard=rows_per_shard, **kw)
+    return build(data, ByteTokenizer(), root=str(tmp_path / "cold"), rows_per_shard=rows_per_shard,
+                 log=lambda m: None)
+
+
+def test_build_packs_every_document_with_an_end_token_and_is_reused(tmp_path):
+    store = _store(tmp_path)
+    rows = np.concatenate([np.load(os.path.join(store.root, s["name"])) for s in store.shards])
+    assert rows.shape == (store.num_rows, 32) and rows.dtype == np.uint16
+    assert store.index["documents"] == 300
+    # the stream is the documents' bytes with 256 after each, cut into rows
+    text = [json.loads(line)["text"] for line in open(tmp_path / "docs.jsonl")]
+    stream = np.concatenate([np.frombuffer(t.encode(), np.uint8).astype(np.uint16).tolist() + [256] for t in text])
+    np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])
+    mtime = os.path.getmtime(os.path.join(store.root, "index.json"))
+    again = _store(tmp_path)
+    assert again.root == store.root and os.path.getmtime(os.path.join(again.root, "index.json")) == mtime
+
+
+def test_other_settings_are_rebuilt_never_reused(tmp_path):
+    a = _store(tmp_path)
+    b = _store(tmp_path, rows_per_shard=8)
+    assert a.root != b.root
+    data = _data(tmp_path / "docs.jsonl", rows_per_shard=16)
+    with open(tmp_path / "docs.jsonl", "a") as f:                 # the corpus changed
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+    assert cache_key(data, ByteTokenizer(), rows_per_shard=16)[1] != os.path.basename(a.root)
+    # a cache whose index disagrees with its directory's settings is rebuilt in place
+    settings, key = cache_key(data, ByteTokenizer(), rows_per_shard=16)
+    bogus = tmp_path / "cold" / key
+    bogus.mkdir()
+    (bogus / "index.json").write_text(json.dumps({"settings": {"other": 1}}))
+    rebuilt = build(data, ByteTokenizer(), root=str(tmp_path / "cold"), rows_per_shard=16, log=lambda m: None)
+    assert rebuilt.root == str(bogus) and rebuilt.index["documents"] == 301
+
+
+def test_a_failed_build_leaves_nothing_that_looks_complete(tmp_path):
+    class Exploding(ByteTokenizer):
+        def encode_documents(self, texts):
+            raise DataError("tokenizer broke")
+    with pytest.raises(Exception, match="tokenizer broke"):
+        build(_data(_corpus(tmp_path)), Exploding(), root=str(tmp_path / "cold"), rows_per_shard=16,
+              log=lambda m: None)
+    assert [n for n in os.listdir(tmp_path / "cold") if not n.startswith(".")] == []
+    assert not any(n.startswith(".building") for n in os.listdir(tmp_path / "cold"))
+
+
+def test_every_row_once_per_epoch_across_ranks():
+    order = SampleOrder([16] * 9 + [5], seed=3, window=3, dp_size=3, micro_batch=4)
+    assert order.num_rows == 149 and order.steps_per_epoch == 149 // 12
+    for epoch in range(2):
+        seen = np.concatenate([order.rows(epoch * order.steps_per_epoch + m, r)
+                               for m in range(order.steps_per_epoch) for r in range(3)])
+        assert len(set(seen.tolist())) == len(seen) == order.steps_per_epoch * 12
+        assert np.array_equal(np.sort(order.epoch(epoch)), np.arange(149))
+    assert not np.array_equal(order.epoch(0), order.epoch(1))
+    # a window of the order touches at most `window` shards
+    even = SampleOrder([16] * 9, seed=3, window=3, dp_size=3, micro_batch=4)
+    for w in range(3):
+        assert len(np.unique(even.shard_of(even.epoch(0)[48 * w:48 * (w + 1)]))) == 3
+
+
+def _batches(store, tmp_path, mode, *, dp_rank=0, dp_size=2, budget_shards=5, start=0, cold=None):
+    order = SampleOrder([s["rows"] for s in store.shards], seed=7, window=2, dp_size=dp_size, micro_batch=3)
+    cold = cold or ColdTier(store.root)
+    hot = None
+    if mode != "direct":
+        hot = HotTier(store, cold, str(tmp_path / f"hot-{mode}-{dp_rank}-{start}"),
+                      budget_bytes=budget_shards * store.shard_bytes(0), policy=mode.split("+")[0],
+                      stats=TierStats(), min_shards=2)
+    it = TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=mode.endswith("+prefetch"))
+    it.position = start
+    return it
+
+
+@pytest.mark.parametrize("mode", ["lru", "next-use", "next-use+prefetch"])
+def test_tiers_never_change_the_batches(tmp_path, mode):
+    store = _store(tmp_path)
+    n = 2 * SampleOrder([s["rows"] for s in store.shards], seed=7, window=2, dp_size=2,
+                        micro_batch=3).steps_per_epoch + 5        # into the third epoch
+    for rank in range(2):
+        ref = _batches(store, tmp_path, "direct", dp_rank=rank)
+        tiered = _batches(store, tmp_path, mode, dp_rank=rank)
+        for _ in range(n):
+            a, b = next(ref), next(tiered)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        tiered.close()
+        assert tiered.figures()["hits"] > 0
+
+
+def test_resume_mid_epoch_continues_exactly(tmp_path):
+    store = _store(tmp_path)
+    full = _batches(store, tmp_path, "next-use+prefetch")
+    seq = [next(full)[0] for _ in range(20)]
+    full.close()
+    resumed = _batches(store, tmp_path, "next-use+prefetch", start=11)
+    for m in range(11, 20):
+        assert torch.equal(next(resumed)[0], seq[m])
+    resumed.close()
+
+
+def test_next_use_fetches_fewer_bytes_than_lru(tmp_path):
+    store = _store(tmp_path, rows_per_shard=8)
+    fetched = {}
+    for mode in ("lru", "next-use"):
+        it = _batches(store, tmp_path, mode, dp_size=1, budget_shards=6)
+        for _ in range(3 * it.order.steps_per_epoch):               # three epochs: reuse across epochs matters
+            next(it)
+        fetched[mode] = it.figures()["bytes_fetched"]
+    assert fetched["next-use"] < fetched["lru"], fetched
+
+
+def test_a_vanishing_cold_tier_is_retried_then_named(tmp_path):
+    store = _store(tmp_path)
+    moved = str(tmp_path / "elsewhere")
+    it = _batches(store, tmp_path, "lru", cold=ColdTier(store.root, retries=2, backoff_s=0.01))
+    next(it)
+    shutil.move(store.root, moved)
+    with pytest.raises(DataError, match=r"cold tier: cannot read .*shard_\d+\.npy .* after 3 tries"):
+        for _ in range(200):
+            next(it)
+    shutil.move(moved, store.root)
+
+
+def test_bad_input_fails_in_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
+    with pytest.raises(DataError, match="no non-empty documents"):
+        build(_data(empty), ByteTokenizer(), root=str(tmp_path / "c1"), rows_per_shard=4, log=lambda m: None)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "tiny"}) + "\n")
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        build(_data(short), ByteTokenizer(), root=str(tmp_path / "c2"), rows_per_shard=4, log=lambda m: None)
+    assert not os.listdir(tmp_path / "c2")                          # nothing half-built left behind
+    raw = tmp_path / "latin1"
+    raw.mkdir()
+    (raw / "a.txt").write_bytes("caf\xe9 ".encode("latin-1") * 40)  # not UTF-8
+    (raw / "b.txt").write_bytes(b"plain ascii text " * 10)
+    with pytest.raises(DataError, match=r"latin1: cannot read as text \(UnicodeDecodeError"):
+        build(DataSection(source=str(raw), seq_len=15, pipeline="tiered"), ByteTokenizer(),
+              root=str(tmp_path / "c3"), rows_per_shard=4, log=lambda m: None)
+    assert not os.listdir(tmp_path / "c3")
