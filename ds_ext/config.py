@@ -41,6 +41,24 @@ class RecipeSection:
 
 
 @dataclass(kw_only=True)
+class MixtureSource:
+    """One source of a ``data.mixture`` (the tiered pipeline): its rows take ``weight``
+    of every epoch, whatever its size (a small source repeats, a large one is cut)."""
+    source: str
+    weight: float = 1.0
+    format: str = "auto"
+    text_field: str = "text"
+    max_documents: int | None = None
+
+    def check(self, where):
+        if self.weight <= 0:
+            raise ConfigError(f"{where}.weight must be positive, got {self.weight}")
+        formats = ("auto", "text", "json", "parquet", "saved")
+        if self.format not in formats:
+            raise ConfigError(f"{where}.format {self.format!r} is not one of {list(formats)}")
+
+
+@dataclass(kw_only=True)
 class DataSection:
     # "stdlib": demo corpus from this Python's standard library sources (offline);
     # otherwise a local file, directory of files, or a datasets.save_to_disk directory.
@@ -63,6 +81,8 @@ class DataSection:
     prefetch: bool = True             # fetch the shards the known order needs next, in the background
     rows_per_shard: int = 2048
     shuffle_window: int = 4           # shards whose rows are shuffled together
+    # tiered: several sources with weights (replaces source/format/text_field/max_documents)
+    mixture: list[MixtureSource] = field(default_factory=list)
 
     def check(self, where):
         formats = ("auto", "text", "json", "parquet", "saved")
@@ -77,6 +97,16 @@ class DataSection:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         if self.hot_budget_mb <= 0:
             raise ConfigError(f"{where}.hot_budget_mb must be positive, got {self.hot_budget_mb}")
+        if self.mixture and self.pipeline != "tiered":
+            raise ConfigError(f"{where}.mixture needs {where}.pipeline \"tiered\"; set it, or use one source")
+
+    def sources(self):
+        """(DataSection of one source, weight) for every source of this section."""
+        import dataclasses
+        if not self.mixture:
+            return [(self, 1.0)]
+        return [(dataclasses.replace(self, source=m.source, format=m.format, text_field=m.text_field,
+                                     max_documents=m.max_documents, mixture=[]), m.weight) for m in self.mixture]
         if self.seq_len < 2:
             raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
         if self.num_proc < 1:

@@ -92,7 +92,8 @@ def validate(args, *, world_size):
         raise ConfigError(f"seekspeed.data.seq_len {s.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model_config.max_position_embeddings}: lower seq_len or raise it in recipe.overrides")
     tokenizer = load_tokenizer(s.data.tokenizer, vocab_size=model_config.vocab_size)
-    resolve_source(s.data)
+    for section, _ in s.data.sources():
+        resolve_source(section)
     if s.init_from is not None:
         from .hf_io import check_hf_dir
         check_hf_dir(s.init_from, model_config)
@@ -154,7 +155,8 @@ def _data_order(data):
     """What the sample order depends on beyond the keys above (hot/cold tier settings do not count)."""
     if data.pipeline == "memory":
         return "memory"
-    return f"tiered rows_per_shard={data.rows_per_shard} shuffle_window={data.shuffle_window}"
+    mixture = [(m.source, m.weight) for m in data.mixture]
+    return f"tiered rows_per_shard={data.rows_per_shard} shuffle_window={data.shuffle_window} mixture={mixture}"
 
 
 def _check_resume_state(saved, cfg, path):
@@ -246,26 +248,27 @@ def _packed_store(data, tokenizer, control, *, rank):
     """The tiered pipeline's packed shards: rank 0 builds them if missing (the others
     wait), then every rank opens the same cache."""
     from .data.sources import cache_dir
-    from .data.store import build, cache_key, open_store
+    from .data.store import build_all, open_all
     root = data.cache_dir or str(cache_dir() / "packed")
     error = None
     if rank == 0:
         try:
-            build(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard,
-                  log=lambda m: print(m, flush=True))
+            build_all(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard,
+                      log=lambda m: print(m, flush=True))
         except SeekspeedError as exc:
             error = exc
         except OSError as exc:
             error = DataError(f"seekspeed.data.cache_dir {root}: cannot build the packed cache ({exc})")
     control.stop_if_any_failed(error, rank=rank)
-    settings, key = cache_key(data, tokenizer, rows_per_shard=data.rows_per_shard)
-    store = open_store(os.path.join(root, key), settings=settings)
+    store = open_all(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard)
     control.stop_if_any_failed(None if store is not None else DataError(
         f"seekspeed.data.cache_dir {root}: rank 0 built the packed cache but this rank cannot read it; the "
         f"cache directory must be shared by all ranks"), rank=rank)
     if rank == 0:
-        print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards at {store.root} "
-              f"({store.index['documents']:,} documents)", flush=True)
+        mix = "" if len(store.stores) == 1 else \
+            f"; mixture of {len(store.stores)} sources, weights {', '.join(f'{w:g}' for w in store.weights)}"
+        print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards under {store.root} "
+              f"({store.index['documents']:,} documents{mix})", flush=True)
     return store
 
 
@@ -274,13 +277,14 @@ def _tiered_batches(s, layout, store, *, dp_rank, stage):
     from .data.tiers import ColdTier, HotTier, TierStats, TieredBatches
     d = s.data
     order = SampleOrder([sh["rows"] for sh in store.shards], seed=s.train.seed, window=d.shuffle_window,
-                        dp_size=layout.data_parallel, micro_batch=layout.micro_batch)
+                        dp_size=layout.data_parallel, micro_batch=layout.micro_batch,
+                        sources=store.source_of_shard, weights=store.weights)
     cold = ColdTier(store.root)
     hot = None
     if d.hot_dir:
         hot = HotTier(store, cold, os.path.join(d.hot_dir, f"dp{dp_rank}-stage{stage}"),
                       budget_bytes=int(d.hot_budget_mb * 1e6), policy=d.policy, stats=TierStats(),
-                      min_shards=d.shuffle_window)
+                      min_shards=d.shuffle_window * len(store.stores))
     return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch)
 
 

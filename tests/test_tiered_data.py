@@ -5,7 +5,9 @@ depend on changes; a failed build leaves nothing that looks complete. The sample
 order: every row once per epoch across the data-parallel ranks, different epochs
 differ, and the micro-batches are identical whatever the tiering (direct cold reads,
 LRU, next-use with prefetch, budgets) and whether the run was resumed mid-epoch.
-Next-use eviction fetches fewer bytes than LRU under the same budget. A cold tier
+Next-use eviction fetches fewer bytes than LRU under the same budget. A mixture
+keeps its weights in every stretch of the order (a small source repeats its own
+epochs) and its batches are the same through the tiers. A cold tier
 that disappears is retried with back-off, then reported naming the path. Bad input
 (empty documents, undecodable bytes, too little data) fails in one line and leaves
 no cache behind.
@@ -186,3 +188,45 @@ def test_bad_input_fails_in_one_line(tmp_path):
         build(DataSection(source=str(raw), seq_len=15, pipeline="tiered"), ByteTokenizer(),
               root=str(tmp_path / "c3"), rows_per_shard=4, log=lambda m: None)
     assert not os.listdir(tmp_path / "c3")
+
+
+def _mixture(tmp_path):
+    from ds_ext.config import MixtureSource
+    from ds_ext.data.store import build_all
+    big = _corpus(tmp_path, n=300, name="big.jsonl")
+    small = _corpus(tmp_path, n=40, name="small.jsonl")
+    data = DataSection(source="unused", seq_len=31, pipeline="tiered", rows_per_shard=16,
+                       mixture=[MixtureSource(source=str(big), weight=1.0), MixtureSource(source=str(small), weight=1.0)])
+    return build_all(data, ByteTokenizer(), root=str(tmp_path / "cold"), rows_per_shard=16, log=lambda m: None)
+
+
+def test_mixture_weights_hold_in_every_stretch_and_a_small_source_repeats(tmp_path):
+    shards = _mixture(tmp_path)
+    src = np.asarray(shards.source_of_shard)
+    order = SampleOrder([s["rows"] for s in shards.shards], seed=5, window=2, dp_size=1, micro_batch=4,
+                        sources=src, weights=shards.weights)
+    sizes = [int(sum(s["rows"] for s, k in zip(shards.shards, src) if k == i)) for i in range(2)]
+    assert sizes[1] < sizes[0] // 4                       # the small source is much smaller ...
+    assert order.counts == [round(order.num_rows / 2), round(order.num_rows / 2)]   # ... yet half of every epoch
+    rows = order.epoch(0)
+    from_small = src[order.shard_of(rows)] == 1
+    for stretch in range(0, len(rows) - 100, 100):       # even interleave: 50 +- 1 of every 100
+        assert abs(int(from_small[stretch:stretch + 100].sum()) - 50) <= 1
+    small_rows = rows[from_small]
+    first = small_rows[:sizes[1]]                         # its own epoch: every row of it once, then again
+    assert len(set(first.tolist())) == sizes[1]
+    assert set(small_rows[sizes[1]:2 * sizes[1]].tolist()) == set(first.tolist())
+
+
+def test_tiers_never_change_mixture_batches(tmp_path):
+    shards = _mixture(tmp_path)
+    order = lambda: SampleOrder([s["rows"] for s in shards.shards], seed=5, window=2, dp_size=2, micro_batch=3,
+                                sources=shards.source_of_shard, weights=shards.weights)
+    ref = TieredBatches(shards, order(), dp_rank=1, cold=ColdTier(shards.root))
+    hot = HotTier(shards, ColdTier(shards.root), str(tmp_path / "hot"), budget_bytes=6 * shards.shard_bytes(0),
+                  policy="next-use", stats=TierStats(), min_shards=4)
+    tiered = TieredBatches(shards, order(), dp_rank=1, cold=hot.cold, hot=hot, prefetch=True)
+    for _ in range(2 * ref.order.steps_per_epoch):
+        a, b = next(ref), next(tiered)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    tiered.close()

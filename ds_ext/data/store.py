@@ -173,3 +173,52 @@ def _write_shards(data, tokenizer, *, settings, directory, rows_per_shard, log):
     return {"settings": settings, "rows": rows, "row_len": row_len, "dtype": np.dtype(dtype).name,
             "rows_per_shard": rows_per_shard, "shards": shards, "documents": documents, "tokens": total_tokens,
             "build_s": elapsed}
+
+
+class ShardSet:
+    """The shards of one or more packed stores under one cache ``root``, numbered
+    globally (store by store); names are relative to ``root``. ``weights`` and
+    ``source_of_shard`` describe a mixture (one store: weight 1)."""
+
+    def __init__(self, root, stores, weights):
+        if len({(s.row_len, s.dtype) for s in stores}) != 1:
+            raise DataError("the sources of data.mixture were packed with different row lengths or token types")
+        self.root, self.stores, self.weights = str(root), stores, list(weights)
+        self.row_len, self.dtype = stores[0].row_len, stores[0].dtype
+        self.shards, self.source_of_shard = [], []
+        for i, store in enumerate(stores):
+            rel = os.path.relpath(store.root, self.root)
+            for sh in store.shards:
+                self.shards.append({"name": f"{rel}/{sh['name']}", "rows": sh["rows"], "bytes": sh["bytes"]})
+                self.source_of_shard.append(i)
+        self.num_rows = sum(sh["rows"] for sh in self.shards)
+        self.index = {"documents": sum(s.index["documents"] for s in stores), "tokens": sum(s.index["tokens"]
+                                                                                         for s in stores)}
+
+    def shard_bytes(self, shard):
+        return self.shards[shard]["bytes"]
+
+    def shard_name(self, shard):
+        return self.shards[shard]["name"]
+
+
+def build_all(data, tokenizer, *, root, rows_per_shard, log=print):
+    """Every source of ``data`` (one, or the mixture's) built or found under ``root``."""
+    stores, weights = [], []
+    for section, weight in data.sources():
+        stores.append(build(section, tokenizer, root=root, rows_per_shard=rows_per_shard, log=log))
+        weights.append(weight)
+    return ShardSet(root, stores, weights)
+
+
+def open_all(data, tokenizer, *, root, rows_per_shard):
+    """The ShardSet rank 0 built, or None when any store is missing or stale."""
+    stores, weights = [], []
+    for section, weight in data.sources():
+        settings, key = cache_key(section, tokenizer, rows_per_shard=rows_per_shard)
+        store = open_store(os.path.join(root, key), settings=settings)
+        if store is None:
+            return None
+        stores.append(store)
+        weights.append(weight)
+    return ShardSet(root, stores, weights)

@@ -170,7 +170,7 @@ class HotTier:
         self.pinned = set()
 
     def _path(self, shard):
-        return os.path.join(self.dir, self.store.shard_name(shard))
+        return os.path.join(self.dir, self.store.shard_name(shard).replace("/", "__"))
 
     def resident(self, shard):
         with self._lock:
