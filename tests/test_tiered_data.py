@@ -171,6 +171,16 @@ def test_a_vanishing_cold_tier_is_retried_then_named(tmp_path):
 
 
 def test_bad_input_fails_in_one_line(tmp_path):
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_text("")
+    with pytest.raises(DataError, match="every data file is empty"):
+        build(_data(nothing), ByteTokenizer(), root=str(tmp_path / "c0"), rows_per_shard=4, log=lambda m: None)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text("")
+    shutil.copy(_corpus(tmp_path), mixed / "b.jsonl")
+    assert build(_data(mixed), ByteTokenizer(), root=str(tmp_path / "c0"), rows_per_shard=4,
+                 log=lambda m: None).index["documents"] == 300           # the empty file is passed over
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
     with pytest.raises(DataError, match="no non-empty documents"):
@@ -230,3 +240,30 @@ def test_tiers_never_change_mixture_batches(tmp_path):
         a, b = next(ref), next(tiered)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     tiered.close()
+
+
+def test_prepare_data_builds_the_cache_a_job_then_finds(tmp_path):
+    import subprocess
+    import sys
+    from ds_ext.data.store import open_all
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "ds_configs", "tiny_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg["seekspeed"]["data"].update(source=str(_corpus(tmp_path)), seq_len=31, pipeline="tiered",
+                                    cache_dir=str(tmp_path / "cold"), rows_per_shard=16)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    run = lambda: subprocess.run([sys.executable, os.path.join(root, "launch", "prepare_data.py"), "--deepspeed",
+                                  str(path)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
+    first = run()
+    assert first.returncode == 0 and "ready:" in first.stdout and "packed 300 documents" in first.stdout, \
+        first.stdout + first.stderr
+    data = DataSection(source=str(tmp_path / "docs.jsonl"), seq_len=31, pipeline="tiered", rows_per_shard=16)
+    found = open_all(data, ByteTokenizer(), root=str(tmp_path / "cold"), rows_per_shard=16)
+    assert found is not None and found.index["documents"] == 300
+    second = run()
+    assert second.returncode == 0 and "packed" not in second.stdout         # found, not rebuilt
+    cfg["seekspeed"]["data"]["pipeline"] = "memory"
+    path.write_text(json.dumps(cfg))
+    bad = run()
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1

@@ -103,6 +103,10 @@ def load_documents(data):
         files = sorted(str(p) for p in path.iterdir() if p.suffix in _EXTENSIONS) if path.is_dir() else [str(path)]
         if not files:
             raise DataError(f"seekspeed.data.source {path}: no data files in this directory")
+        files = [f for f in files if os.path.getsize(f) > 0]     # datasets' readers fail on empty files
+        if not files:
+            raise DataError(f"seekspeed.data.source {path}: every data file is empty: add data or point "
+                            f"seekspeed.data.source elsewhere")
         kwargs = {"sample_by": "document"} if fmt == "text" else {}
         if fmt == "text":
             text_field = "text"
