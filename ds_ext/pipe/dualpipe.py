@@ -13,11 +13,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule
-from deepspeed.runtime.pipe.schedule import (BackwardPass, CommitP2P, ForwardPass, LoadMicroBatch, OptimizerStep,
-                                             PipeSchedule, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
-                                             SendActivation, SendGrad)
-
-from .schedules import ForwardBackwardPass, WeightPass
+from .schedules import DualPipeSteps
 
 
 def direction_and_stage(rank, direction, ranks):
@@ -30,8 +26,10 @@ def stage_direction(rank, stage, ranks):
     return 0 if stage == rank else 1
 
 
-class DualPipeSchedule(PipeSchedule):
-    """The DualPipe schedule for one pipeline rank.
+class DualPipeSchedule(DualPipeSteps):
+    """The DualPipe schedule for one pipeline rank: the reference's steps with its
+    logical phase = direction XOR "rank in the second half", counted from the nearer
+    end of the pipeline, turning at the two middle ranks.
 
     Args:
         micro_batches (int): even and at least ``2 * stages``; half go each way.
@@ -40,136 +38,38 @@ class DualPipeSchedule(PipeSchedule):
     """
 
     def __init__(self, micro_batches, stages, stage_id, forward_only=False):
-        super().__init__(micro_batches, stages, stage_id)
+        super().__init__(micro_batches, stages, stage_id, forward_only=forward_only)
         if stages % 2:
             raise ValueError(f"DualPipe needs an even number of pipeline ranks, got {stages}")
         if micro_batches % 2 or micro_batches < 2 * stages:
             raise ValueError(f"DualPipe needs an even number of micro-batches >= 2 x {stages}, got {micro_batches}")
-        self.forward_only = forward_only
+        half = stages // 2
+        self.span, self.chunks = half, micro_batches // 2
+        self.position = min(stage_id, stages - 1 - stage_id)
+        self.second_half = int(stage_id >= half)
+        self.turn = stage_id in (half - 1, half)
 
     def num_pipe_buffers(self):
         return self.micro_batches      # direction * (m / 2) + micro-batch
 
-    def steps(self):
-        rank, num_ranks, m = self.stage_id, self.stages, self.micro_batches
-        half_chunks, num_half_ranks = m // 2, num_ranks // 2
-        half_rank = min(rank, num_ranks - 1 - rank)
-        second_half = int(rank >= num_half_ranks)
-        is_middle = rank in (num_half_ranks - 1, num_half_ranks)
-        counters = {name: [0, 0] for name in ("fwd", "bwd", "send_fwd", "send_bwd", "recv_fwd", "recv_bwd")}
+    def direction(self, phase):
+        return phase ^ self.second_half
 
-        def direction(phase):
-            return phase ^ second_half
+    def buffer_id(self, direction, index):
+        return direction * self.chunks + index
 
-        def first_stage(d):
-            return (rank == 0 and d == 0) or (rank == num_ranks - 1 and d == 1)
+    def _first_stage(self, d):
+        return (self.stage_id == 0 and d == 0) or (self.stage_id == self.stages - 1 and d == 1)
 
-        def last_stage(d):
-            return (rank == 0 and d == 1) or (rank == num_ranks - 1 and d == 0)
+    def _last_stage(self, d):
+        return (self.stage_id == 0 and d == 1) or (self.stage_id == self.stages - 1 and d == 0)
 
-        def buffer(d, counter):
-            micro_batch = counters[counter][d]
-            counters[counter][d] += 1
-            return d * half_chunks + micro_batch
+    def loads(self, phase):
+        return self._first_stage(self.direction(phase))
 
-        def recv_forward(phase):
-            d = direction(phase)
-            return [] if first_stage(d) else [RecvActivation(buffer(d, "recv_fwd"), phase=d)]
-
-        def send_forward(phase):
-            d = direction(phase)
-            return [] if last_stage(d) else [SendActivation(buffer(d, "send_fwd"), phase=d)]
-
-        def recv_backward(phase):
-            d = direction(phase)
-            return [] if self.forward_only or last_stage(d) else [RecvGrad(buffer(d, "recv_bwd"), phase=d)]
-
-        def send_backward(phase):
-            d = direction(phase)
-            return [] if self.forward_only or first_stage(d) else [SendGrad(buffer(d, "send_bwd"), phase=d)]
-
-        def forward(phase):
-            d = direction(phase)
-            buffer_id = buffer(d, "fwd")
-            return ([LoadMicroBatch(buffer_id)] if first_stage(d) else []) + [ForwardPass(buffer_id, phase=d)]
-
-        def backward(phase, zb=False):
-            d = direction(phase)
-            return [] if self.forward_only else [BackwardPass(buffer(d, "bwd"), phase=d, zb=zb)]
-
-        def forward_chunk(phase, recv=True, send=True):
-            cmds = (recv_forward(phase) if recv else []) + [CommitP2P()] + forward(phase)
-            return cmds + (send_forward(phase) if send else [])
-
-        def backward_chunk(phase, zb=False, send=True):
-            cmds = recv_backward(phase) + [CommitP2P()] + backward(phase, zb)
-            return cmds + (send_backward(phase) if send else [])
-
-        def forward_backward_chunk(phase0, phase1, recv0=True):
-            if self.forward_only:
-                return forward_chunk(phase0, recv=recv0)
-            cmds = (recv_forward(phase0) if recv0 else []) + recv_backward(phase1) + [CommitP2P()]
-            f = forward(phase0)
-            bwd = backward(phase1)[0]
-            cmds += f[:-1] + [ForwardBackwardPass(fwd_buffer=f[-1].buffer_id, fwd_phase=direction(phase0),
-                                                  bwd_buffer=bwd.buffer_id, bwd_phase=direction(phase1))]
-            return cmds + send_forward(phase0) + send_backward(phase1)
-
-        def weight_chunk():
-            return [] if self.forward_only else [CommitP2P(), WeightPass()]
-
-        # Step 1: nF0
-        for _ in range((num_half_ranks - half_rank - 1) * 2):
-            yield forward_chunk(0)
-
-        # Step 2: nF0F1
-        step_2 = half_rank + 1
-        yield recv_forward(0)
-        for i in range(step_2):
-            cmds = forward_chunk(0, recv=False, send=is_middle) + recv_forward(0)
-            cmds += forward_chunk(1, send=(not is_middle) or (i < step_2 - 1))
-            yield cmds + ([] if is_middle else send_forward(0))
-
-        # Step 3: nB1W1F1 (zero bubble)
-        for _ in range(num_half_ranks - half_rank - 1):
-            yield backward_chunk(1, zb=True) + recv_forward(1) + weight_chunk() + forward_chunk(1, recv=False)
-
-        # Step 4 (main step): nF0B1F1B0
-        for i in range(half_chunks - num_ranks + half_rank + 1):
-            if i == 0 and is_middle:
-                cmds = forward_chunk(0, recv=False, send=False) + send_forward(1)
-                cmds += backward_chunk(1, send=False) + send_forward(0) + send_backward(1)
-            else:
-                cmds = forward_backward_chunk(0, 1, recv0=i > 0)
-            yield cmds + forward_backward_chunk(1, 0)
-
-        # Step 5: nB1F1B0
-        for _ in range(num_half_ranks - half_rank - 1):
-            yield backward_chunk(1) + forward_backward_chunk(1, 0)
-
-        # Step 6: nB1B0 (the second half of the chunks zero bubble)
-        step_6 = half_rank + 1
-        zb = False
-        for i in range(step_6):
-            if i == step_6 // 2 and half_rank % 2 == 1:
-                zb = True
-            cmds = backward_chunk(1, zb=zb)
-            if i == step_6 // 2 and half_rank % 2 == 0:
-                zb = True
-            yield cmds + backward_chunk(0, zb=zb)
-
-        # Step 7: nWB0 (zero bubble)
-        for _ in range(num_half_ranks - half_rank - 1):
-            yield weight_chunk() + backward_chunk(0, zb=True)
-
-        # Step 8: nW
-        for _ in range(half_rank + 1):
-            yield weight_chunk()
-
-        cmds = [CommitP2P()]
-        if not self.forward_only:
-            cmds += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
-        yield cmds
+    def has_transfer(self, kind, phase):
+        d = self.direction(phase)
+        return not (self._first_stage(d) if kind in ("recv_fwd", "send_bwd") else self._last_stage(d))
 
 
 class DualPipeModule(DualPipeVModule):
