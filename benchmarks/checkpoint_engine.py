@@ -22,7 +22,6 @@ throughput of each (one writer thread, fsync included). About 5 minutes on 2 cor
 """
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,6 +31,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks import write_figures  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -210,14 +211,10 @@ def main(argv=None):
             print(f"{threads:>7} {name:>11} {m['blocking_s']:>11.3f} {m['extra_s']:>8.3f} {m['total_s']:>8.3f} "
                   f"{ratio:>12.2f}x")
             summary.append({"threads": threads, "engine": name, **m, "total_vs_deepspeed": ratio})
-    figures = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "parameters": params,
+    figures = {"parameters": params,
                "state_bytes": 16 * params, "control_segments": bases, "saves": saves, "summary": summary,
                "bytes": sizes}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"figures: {args.json}")
+    write_figures(args.json, figures)
 
 
 if __name__ == "__main__":

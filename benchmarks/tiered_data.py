@@ -33,6 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import write_figures  # noqa: E402
+
 MODES = ("direct", "lru", "lru+prefetch", "next-use+prefetch")
 
 
@@ -146,14 +148,10 @@ def main(argv=None):
     for row in rows:
         hit = f"{100 * row['hit_rate']:.1f}" if row["hit_rate"] is not None else "-"
         print(f"{row['mode']:>18} {100 * row['wait_fraction']:>10.2f} {row['bytes_from_cold'] / 1e6:>13.1f} {hit:>11}")
-    figures = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "args": vars(args),
+    figures = {"args": vars(args),
                "tokenize_pack_tokens_per_s": store.index["tokens"] / build_s, "rows": store.num_rows,
                "shards": len(store.shards), "shard_bytes": store.shard_bytes(0), "modes": rows}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"figures: {args.json}")
+    write_figures(args.json, figures)
 
 
 if __name__ == "__main__":
