@@ -49,6 +49,7 @@ def main(save_dir, steps, mb):
         assert loaded["meta"]["step"] == start and float(loaded["weights"][0]) == start
         print(f"resumed from {tag}", flush=True)
     numel = mb * (1 << 20) // 4
+    print("saving from now on", flush=True)
     for step in range(start + 1, steps + 1):
         time.sleep(0.02)                      # the step's compute
         ckpt.poll()

@@ -311,14 +311,19 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
     for trial in range(trials):
         save_dir = str(tmp_path / f"trial{trial}")
         procs = _start_job(save_dir, 10_000, str(tmp_path), f"t{trial}")
-        time.sleep(rng.uniform(2.0, 4.0))            # start-up is about 2 s; then a save per 20 ms step
+        log0 = tmp_path / f"t{trial}-rank0.log"
+        deadline = time.monotonic() + 120           # start-up: about 2 s here, more on a cold machine
+        while "saving from now on" not in log0.read_text() and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), log0.read_text()
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 2.0))            # then a save per 20 ms step
         victims = [0, 1] if rng.random() < 0.5 else [1, 0]
         procs[victims[0]].send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.2))            # the launcher takes the other one down soon after
         procs[victims[1]].send_signal(signal.SIGKILL)
         for p in procs:
             p.wait()
-        if any(n.startswith(catalog.STAGING) for n in os.listdir(save_dir) if os.path.isdir(save_dir)):
+        if os.path.isdir(save_dir) and any(n.startswith(catalog.STAGING) for n in os.listdir(save_dir)):
             torn_writes += 1
         newest = _check_committed(save_dir)
         if trial % 4 == 3:                           # and the job comes back from the newest complete one
