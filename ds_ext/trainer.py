@@ -449,6 +449,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         if save_due(step):
             save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
+        if async_ckpt is not None:
+            async_ckpt.wait()      # the final save is never skipped for one still writing
         save(total)
     if async_ckpt is not None:
         async_ckpt.wait()

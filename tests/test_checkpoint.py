@@ -162,6 +162,27 @@ def test_catalog_picks_the_newest_complete_checkpoint(tmp_path):
     assert catalog.clean_stale(d) == [catalog.STAGING + "global_step6"]
 
 
+def test_publish_puts_the_old_copy_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    _commit(d, 2, 2.0)
+    staging = os.path.join(d, catalog.STAGING + "global_step2")
+    os.makedirs(staging)
+    real = os.rename
+
+    def failing(src, dst):
+        if src == staging:
+            raise OSError("injected")
+        return real(src, dst)
+    monkeypatch.setattr(catalog.os, "rename", failing)
+    with pytest.raises(OSError, match="injected"):
+        catalog.publish(staging, save_dir=d, tag="global_step2",
+                        manifest={"format": catalog.FORMAT_NAME, "global_step": 2, "files": {}})
+    monkeypatch.undo()
+    best = catalog.newest_complete(d, log=lambda m: None)
+    assert best.tag == "global_step2" and torch.equal(fmt.read(os.path.join(best.path, "w.pt"))["w"],
+                                                      torch.full((64, ), 2.0))
+
+
 # -- two ranks ---------------------------------------------------------------------------------
 
 def _engine(save_dir, **kw):

@@ -233,7 +233,7 @@ def test_tiers_never_change_mixture_batches(tmp_path):
     order = lambda: SampleOrder([s["rows"] for s in shards.shards], seed=5, window=2, dp_size=2, micro_batch=3,
                                 sources=shards.source_of_shard, weights=shards.weights)
     ref = TieredBatches(shards, order(), dp_rank=1, cold=ColdTier(shards.root))
-    hot = HotTier(shards, ColdTier(shards.root), str(tmp_path / "hot"), budget_bytes=6 * shards.shard_bytes(0),
+    hot = HotTier(shards, ColdTier(shards.root), str(tmp_path / "hot"), budget_bytes=9 * shards.shard_bytes(0),
                   policy="next-use", stats=TierStats(), min_shards=4)
     tiered = TieredBatches(shards, order(), dp_rank=1, cold=hot.cold, hot=hot, prefetch=True)
     for _ in range(2 * ref.order.steps_per_epoch):
@@ -267,3 +267,10 @@ def test_prepare_data_builds_the_cache_a_job_then_finds(tmp_path):
     path.write_text(json.dumps(cfg))
     bad = run()
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_hot_budget_too_small_for_one_micro_batch_is_refused_up_front(tmp_path):
+    store = _store(tmp_path)
+    with pytest.raises(DataError, match="holds fewer than 5 shards"):     # 2 windows of 2 shards, plus one
+        HotTier(store, ColdTier(store.root), str(tmp_path / "hot"), budget_bytes=4 * store.shard_bytes(0),
+                policy="next-use", stats=TierStats(), min_shards=2)

@@ -154,22 +154,35 @@ def newest_complete(save_dir, *, full=True, log=print):
     return None
 
 
+class LatestNotUpdated(OSError):
+    """The checkpoint was committed (renamed into place) but ``latest`` could not be replaced."""
+
+
 def publish(staging, *, save_dir, tag, manifest, update_latest=True):
     """Make ``staging`` (every file already fsynced) the committed checkpoint ``tag``:
     manifest, rename into place, then ``latest``. A committed checkpoint of the same
-    tag is replaced (moved aside first, deleted after)."""
+    tag is replaced (moved aside first, put back if the new one cannot take its place,
+    deleted after). Raises LatestNotUpdated when only the last step failed."""
     write_atomic(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
     final = os.path.join(save_dir, tag)
     aside = None
     if os.path.exists(final):
         aside = os.path.join(save_dir, f"{TRASH}{tag}.{os.getpid()}.{time.monotonic_ns()}")
         os.rename(final, aside)
-    os.rename(staging, final)
-    fsync_dir(save_dir)
-    if update_latest:
-        write_atomic(os.path.join(save_dir, LATEST), tag.encode())
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, final)
+        raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    try:
+        fsync_dir(save_dir)
+        if update_latest:
+            write_atomic(os.path.join(save_dir, LATEST), tag.encode())
+    except OSError as exc:
+        raise LatestNotUpdated(f"'latest' was not updated ({exc})") from None
     return final
 
 

@@ -174,7 +174,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
             return
         if block:
             job.done.wait()
-        flags = torch.tensor([job.error is not None, not job.done.is_set()], dtype=torch.int64)
+        # "done" before "error": the writer sets the error first, so a done rank's error is already visible
+        done = job.done.is_set()
+        flags = torch.tensor([job.error is not None, not done], dtype=torch.int64)
         tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self.group)
         failed, writing = flags.tolist()
         if failed:
@@ -195,6 +197,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
             try:
                 catalog.publish(job.staging, save_dir=job.save_dir, tag=job.tag, manifest=manifest,
                                 update_latest=job.update_latest)
+            except catalog.LatestNotUpdated as exc:      # committed; only the pointer is stale
+                self.log(f"warning: checkpoint {job.tag} is committed but {exc}; resume finds it anyway")
             except OSError as exc:
                 error = f"cannot commit {job.final}: {exc}"
             record = {"tag": job.tag, "step": job.step, "path": job.final, "files": len(files),
@@ -255,7 +259,14 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def _run(self):
         while True:
             fn, args = self._queue.get()
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception as exc:          # the writer must outlive any one task, or wait() would hang
+                job = next((a for a in args if isinstance(a, _Job)), None)
+                if job is not None and job.error is None:
+                    job.error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+                if job is not None and fn == self._finish:
+                    job.done.set()
 
     def _write(self, job, rel, snap):
         if job.error is not None or job.cancelled:

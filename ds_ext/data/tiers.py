@@ -153,10 +153,12 @@ class HotTier:
         if policy not in ("next-use", "lru"):
             raise ValueError(f"unknown eviction policy {policy!r}")
         biggest = max(store.shard_bytes(s) for s in range(len(store.shards)))
-        if budget_bytes < (min_shards + 1) * biggest:
+        # a micro-batch that straddles two shuffle windows touches up to 2 x min_shards shards
+        if budget_bytes < (2 * min_shards + 1) * biggest:
             raise DataError(f"seekspeed.data.hot_budget_mb {budget_bytes / 1e6:.1f} MB holds fewer than "
-                            f"{min_shards + 1} shards of {biggest / 1e6:.1f} MB (a micro-batch can touch "
-                            f"{min_shards}: data.shuffle_window): raise it, or lower data.rows_per_shard")
+                            f"{2 * min_shards + 1} shards of {biggest / 1e6:.1f} MB (a micro-batch can touch "
+                            f"{2 * min_shards}: twice data.shuffle_window per source): raise it, or lower "
+                            f"data.rows_per_shard")
         self.store, self.cold, self.dir = store, cold, directory
         self.budget, self.policy, self.stats = budget_bytes, policy, stats
         shutil.rmtree(directory, ignore_errors=True)    # a hot tier is a cache: start empty
@@ -189,12 +191,17 @@ class HotTier:
         evict a shard needed sooner than ``shard``."""
         size = self.store.shard_bytes(shard)
         with self._lock:
-            while shard in self._fetching:
-                self._lock.wait()
-            if shard in self._resident:
-                return True
-            while self._used + size > self.budget:
+            while True:
+                while shard in self._fetching:
+                    self._lock.wait()
+                if shard in self._resident:
+                    return True
+                if self._used + size <= self.budget:
+                    break
                 victim = self._victim({shard})
+                if victim is None and not prefetch and self._fetching:
+                    self._lock.wait()          # a prefetch in flight holds the room; it ends soon
+                    continue
                 if victim is None or (prefetch and self.next_use(victim) <= self.next_use(shard)):
                     return False
                 self._evict(victim)
@@ -270,7 +277,7 @@ class TieredBatches:
         if hot is not None:
             per_shard = max(store.shard_bytes(s) for s in range(len(store.shards)))
             # look as far ahead as the budget holds: a fetch never evicts a shard needed sooner
-            self.prefetch_shards = prefetch_shards or max(1, hot.budget // per_shard)
+            self.prefetch_shards = min(prefetch_shards or max(1, hot.budget // per_shard), len(store.shards))
             hot.next_use = self.next_use
             if prefetch:
                 self._thread = threading.Thread(target=self._prefetch, name="seekspeed-prefetch", daemon=True)
@@ -316,8 +323,14 @@ class TieredBatches:
         return seen[:count]
 
     def _prefetch(self):
+        planned = None
         while not self._stop:
             try:
+                if planned == self.position:          # nothing consumed since the last round
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                planned = self.position
                 for shard in self.upcoming(self.prefetch_shards):
                     if self._stop:
                         return
