@@ -40,6 +40,16 @@ class RecipeSection:
     overrides: dict = field(default_factory=dict)
 
 
+DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
+
+
+def _check_choices(where, section, **allowed):
+    """A one-line error for the first field of ``section`` whose value is not among its ``allowed``."""
+    for name, options in allowed.items():
+        if getattr(section, name) not in options:
+            raise ConfigError(f"{where}.{name} {getattr(section, name)!r} is not one of {list(options)}")
+
+
 @dataclass(kw_only=True)
 class MixtureSource:
     """One source of a ``data.mixture`` (the tiered pipeline): its rows take ``weight``
@@ -53,9 +63,7 @@ class MixtureSource:
     def check(self, where):
         if self.weight <= 0:
             raise ConfigError(f"{where}.weight must be positive, got {self.weight}")
-        formats = ("auto", "text", "json", "parquet", "saved")
-        if self.format not in formats:
-            raise ConfigError(f"{where}.format {self.format!r} is not one of {list(formats)}")
+        _check_choices(where, self, format=DATA_FORMATS)
 
 
 @dataclass(kw_only=True)
@@ -85,18 +93,18 @@ class DataSection:
     mixture: list[MixtureSource] = field(default_factory=list)
 
     def check(self, where):
-        formats = ("auto", "text", "json", "parquet", "saved")
-        if self.format not in formats:
-            raise ConfigError(f"{where}.format {self.format!r} is not one of {list(formats)}")
-        if self.pipeline not in ("memory", "tiered"):
-            raise ConfigError(f"{where}.pipeline {self.pipeline!r} is not one of ['memory', 'tiered']")
-        if self.policy not in ("next-use", "lru"):
-            raise ConfigError(f"{where}.policy {self.policy!r} is not one of ['next-use', 'lru']")
+        _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"))
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         if self.hot_budget_mb <= 0:
             raise ConfigError(f"{where}.hot_budget_mb must be positive, got {self.hot_budget_mb}")
+        if self.seq_len < 2:
+            raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
+        if self.num_proc < 1:
+            raise ConfigError(f"{where}.num_proc must be >= 1, got {self.num_proc}")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise ConfigError(f"{where}.max_documents must be >= 1 or null, got {self.max_documents}")
         if self.mixture and self.pipeline != "tiered":
             raise ConfigError(f"{where}.mixture needs {where}.pipeline \"tiered\"; set it, or use one source")
 
@@ -107,12 +115,6 @@ class DataSection:
             return [(self, 1.0)]
         return [(dataclasses.replace(self, source=m.source, format=m.format, text_field=m.text_field,
                                      max_documents=m.max_documents, mixture=[]), m.weight) for m in self.mixture]
-        if self.seq_len < 2:
-            raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
-        if self.num_proc < 1:
-            raise ConfigError(f"{where}.num_proc must be >= 1, got {self.num_proc}")
-        if self.max_documents is not None and self.max_documents < 1:
-            raise ConfigError(f"{where}.max_documents must be >= 1 or null, got {self.max_documents}")
 
 
 @dataclass(kw_only=True)
@@ -154,11 +156,8 @@ class CheckpointSection:
             raise ConfigError(f"{where}.interval_steps must be >= 0 (0 = no step interval), got {self.interval_steps}")
         if self.interval_seconds < 0:
             raise ConfigError(f"{where}.interval_seconds must be >= 0 (0 = off), got {self.interval_seconds}")
-        choices = {"engine": ("deepspeed", "async-zstd"), "when_busy": ("wait", "skip"),
-                   "on_error": ("stop", "continue"), "compression": ("zstd", "none"), "verify": ("full", "size")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{where}.{name} {getattr(self, name)!r} is not one of {list(allowed)}")
+        _check_choices(where, self, engine=("deepspeed", "async-zstd"), when_busy=("wait", "skip"),
+                       on_error=("stop", "continue"), compression=("zstd", "none"), verify=("full", "size"))
         if self.keep_last < 0:
             raise ConfigError(f"{where}.keep_last must be >= 0 (0 keeps all), got {self.keep_last}")
         if self.keep_last and self.engine != "async-zstd":
