@@ -19,6 +19,7 @@ training with the error or logs it and goes on; the previous checkpoint is untou
 
 import os
 import queue
+import shutil
 import threading
 import time
 
@@ -67,6 +68,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._queue = queue.Queue()
         self._thread = None
         self._manifests = {}
+        self._verified = None             # a checkpoint directory whose every file resolve() has hashed
 
     # -- DeepSpeed's CheckpointEngine interface ------------------------------------------------
 
@@ -86,9 +88,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def makedirs(self, path, exist_ok=False):
         # the checkpoint's own directory goes to staging; DeepSpeed also makes save_dir itself
-        job = self._job
-        inside = job is not None and (os.path.abspath(path) + os.sep).startswith(os.path.abspath(job.final) + os.sep)
-        os.makedirs(self._staged(path) if inside else path, exist_ok=True)
+        os.makedirs(self._staged(path) if self._inside(path) else path, exist_ok=True)
 
     def save(self, state_dict, path):
         job = self._job
@@ -103,7 +103,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=False)
         entry = self._manifest_entry(path)
         try:
-            if entry is not None:
+            if entry is not None and os.path.dirname(os.path.abspath(path)) != self._verified:
                 fmt.verify(path, size=entry["size"], sha256=entry["sha256"])
             return fmt.read(path, map_location=map_location)
         except fmt.CorruptCheckpointError as exc:
@@ -241,14 +241,19 @@ class AsyncCheckpointEngine(CheckpointEngine):
             return "uncompressed"
         return f"zstd {s.zstd_level}" + (", byte-grouped" if s.byte_group else "")
 
+    def _inside(self, path):
+        """``path`` is the current checkpoint's directory or lies inside it."""
+        job = self._job
+        return job is not None and (os.path.abspath(path) + os.sep).startswith(os.path.abspath(job.final) + os.sep)
+
     def _staged(self, path):
         job = self._job
-        path = os.path.abspath(path)
-        final = os.path.abspath(job.final)
-        if path != final and not path.startswith(final + os.sep):
-            raise CheckpointError(f"checkpoint {job.tag}: DeepSpeed wrote {path} outside the checkpoint's "
-                                  f"directory {final}; this engine only stages files inside it")
-        return os.path.join(os.path.abspath(job.staging), os.path.relpath(path, final))
+        if not self._inside(path):
+            raise CheckpointError(f"checkpoint {job.tag}: DeepSpeed wrote {os.path.abspath(path)} outside the "
+                                  f"checkpoint's directory {os.path.abspath(job.final)}; this engine only stages "
+                                  f"files inside it")
+        return os.path.join(os.path.abspath(job.staging), os.path.relpath(os.path.abspath(path),
+                                                                          os.path.abspath(job.final)))
 
     def _submit(self, fn, *args):
         if self._thread is None:
@@ -312,7 +317,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return self._failed(job, "; ".join(errors))
 
     def _remove(self, path):
-        import shutil
         shutil.rmtree(path, ignore_errors=True)
 
     def _failed(self, job, error):
@@ -352,10 +356,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
         """The tag every rank loads: the newest checkpoint in ``load_dir`` that verifies
         (rank 0 checks, every rank gets its answer); None when there is none."""
         ckpt = None
+        full = self.section.verify == "full"
         if self.rank == 0:
-            ckpt = catalog.newest_complete(load_dir, full=self.section.verify == "full", log=self.log)
+            ckpt = catalog.newest_complete(load_dir, full=full, log=self.log)
         tag = self._from_rank0(None if ckpt is None else ckpt.tag)
         self._manifests.clear()
+        # rank 0 just hashed every file of it: load() need not read them twice there
+        self._verified = os.path.abspath(ckpt.path) if ckpt is not None and full else None
         return tag
 
 

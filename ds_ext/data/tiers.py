@@ -165,7 +165,7 @@ class HotTier:
         os.makedirs(directory)
         self._resident = collections.OrderedDict()      # shard -> bytes, least recently used first
         self._arrays = {}
-        self._fetching = {}
+        self._fetching = set()
         self._lock = threading.Condition()
         self._used = 0
         self.next_use = lambda shard: float("inf")      # set by the iterator (next-use policy)
@@ -205,18 +205,18 @@ class HotTier:
                 if victim is None or (prefetch and self.next_use(victim) <= self.next_use(shard)):
                     return False
                 self._evict(victim)
-            self._fetching[shard] = True
+            self._fetching.add(shard)
             self._used += size
         try:
             self.cold.copy_to(self.store.shard_name(shard), self._path(shard))
         except BaseException:
             with self._lock:
                 self._used -= size
-                del self._fetching[shard]
+                self._fetching.discard(shard)
                 self._lock.notify_all()
             raise
         with self._lock:
-            del self._fetching[shard]
+            self._fetching.discard(shard)
             self._resident[shard] = size
             self.stats.bytes_fetched += size
             self._lock.notify_all()
