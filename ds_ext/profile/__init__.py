@@ -1,0 +1,1 @@
+"""Profiling, run reports and the planner's cost model."""

@@ -1,0 +1,117 @@
+"""Check a configuration before holding the cluster: memory per pipeline rank, bytes per
+link class, the pipeline bubble and a predicted step time, on a laptop (no GPU; the
+model is built on the meta device).
+
+    python launch/plan.py --deepspeed ds_configs/128node.json --hostfile hosts
+    python launch/plan.py --deepspeed ds_configs/single_node.json --nodes 1 --gpus-per-node 8 --json plan.json
+
+Exits 2, with the numbers, when a rank does not fit GPU memory. The cost model is
+described in ds_ext/profile/plan.py; hardware defaults are an H800 with one 200 Gb/s
+NIC per GPU (override with --memory-gb, --peak-tflops, --efficiency, --intra-gbps,
+--inter-gbps).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    from ds_ext.profile.plan import Hardware
+    hw = Hardware()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed", "--deepspeed_config", dest="config", required=True, metavar="JSON")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N'); or --nodes and --gpus-per-node")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--memory-gb", type=float, default=hw.memory_gb, help="GPU memory (GB, 1e9 bytes)")
+    p.add_argument("--reserve-gb", type=float, default=hw.reserve_gb,
+                   help="memory set aside for the CUDA context, NCCL and fragmentation")
+    p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
+    p.add_argument("--efficiency", type=float, default=hw.efficiency, help="achieved / peak FLOP/s (MFU)")
+    p.add_argument("--intra-gbps", type=float, default=hw.intra_gbps, help="GB/s one way between GPUs of a node")
+    p.add_argument("--inter-gbps", type=float, default=hw.inter_gbps, help="GB/s one way per GPU between nodes")
+    p.add_argument("--gpu", default=hw.name, help="name shown in the report")
+    p.add_argument("--json", metavar="PATH", help="write the plan's figures to PATH")
+    return p.parse_args(argv)
+
+
+def _gb(x):
+    return f"{x / 1e9:8.1f}"
+
+
+def _bytes(x):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def report(plan):
+    lay, hw = plan.layout, plan.hardware
+    lines = [f"plan: {plan.config} on {plan.nodes} node(s) x {plan.ranks_per_node} {hw.name} "
+             f"({hw.memory_gb:g} GB, {hw.peak_tflops:g} TFLOP/s peak x {hw.efficiency:g}, links {hw.intra_gbps:g} GB/s "
+             f"inside a node, {hw.inter_gbps:g} GB/s per GPU between nodes)",
+             f"layout: {lay['pipe_stages']} pipeline stages x {lay['data_parallel']} data-parallel, micro-batch "
+             f"{lay['micro_batch']} x {lay['grad_accum']} accumulation, seq {lay['seq_len']}; schedule {plan.schedule}; "
+             f"placement {plan.placement}; {plan.total_params / 1e9:.2f} B parameters",
+             "",
+             "memory per pipeline rank (GB)        weights  grads  optim  act(none)  act(ckpt)  buffers  total",
+             ]
+    for st in plan.stages:
+        ranges = ",".join(f"[{a},{b})" for a, b in st.layers)
+        mark = "" if st.total <= hw.memory_gb * 1e9 else "  DOES NOT FIT"
+        lines.append(f"  rank {st.rank} layers {ranges:<18} {st.params / 1e9:5.2f} B  {_gb(st.weights)}{_gb(st.gradients)}"
+                     f"{_gb(st.optimizer)} {_gb(st.activations)}  {_gb(st.activations_checkpointed)} {_gb(st.buffers)}"
+                     f"{_gb(st.total)}{mark}")
+    ckpt = "on" if plan.stages[0].checkpointing else "off"
+    lines += [f"  (total counts activations with checkpointing {ckpt}, as configured; peak micro-batches in flight "
+              f"per rank: {', '.join(str(st.in_flight) for st in plan.stages)})", "",
+              f"traffic per step (all links of one group; compressor: {plan.compressor})",
+              f"  {'group':<18} {'ranks':>5} {'intra-node':>11} {'inter-node':>11} {'compressed intra':>17} "
+              f"{'inter':>9} {'wait':>9}"]
+    for t in plan.traffic:
+        lines.append(f"  {t.group:<18} {t.members:>5} {_bytes(t.intra_bytes):>11} {_bytes(t.inter_bytes):>11} "
+                     f"{_bytes(t.intra_bytes_compressed):>17} {_bytes(t.inter_bytes_compressed):>9} "
+                     f"{t.seconds_compressed * 1e3:7.1f}ms")
+    c = plan.chunk_costs
+    lines += ["", f"per micro-batch chunk: F {c['F'] * 1e3:.2f} ms, B {c['B'] * 1e3:.2f} ms"
+                  + (f", W {c['W'] * 1e3:.2f} ms" if c["W"] else "") + f", p2p {c['p2p'] * 1e3:.3f} ms",
+              f"step: pipeline {plan.makespan * 1e3:.1f} ms (bubble {plan.bubble * 1e3:.1f} ms = "
+              f"{plan.bubble / plan.makespan:.1%}) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms + optimizer "
+              f"{plan.optimizer_seconds * 1e3:.1f} ms = {plan.step_seconds:.3f} s predicted; "
+              f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / (plan.nodes * plan.ranks_per_node):,.0f} per GPU)"]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from ds_ext.errors import SeekspeedError
+    from ds_ext.profile.plan import Hardware, check_fits, make_plan, nodes_from_hostfile
+    args = parse_args(argv)
+    try:
+        if args.hostfile:
+            nodes, per_node = nodes_from_hostfile(args.hostfile)
+        elif args.nodes:
+            nodes, per_node = args.nodes, args.gpus_per_node
+        else:
+            raise SeekspeedError("pass --hostfile hosts, or --nodes N (and --gpus-per-node, default 8)")
+        hw = Hardware(name=args.gpu, memory_gb=args.memory_gb, reserve_gb=args.reserve_gb, peak_tflops=args.peak_tflops,
+                      efficiency=args.efficiency, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+        plan = make_plan(args.config, nodes=nodes, ranks_per_node=per_node, hardware=hw)
+        print(report(plan), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plan.to_json(), f, indent=2)
+        check_fits(plan)
+    except SeekspeedError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
