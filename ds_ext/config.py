@@ -11,7 +11,8 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
       "checkpoint": {"dir": "runs/tiny", "interval_steps": 100},
       "topology":   {"placement": "auto", "bandwidth": "launcher", ...},
-      "comm":       {"compressor": "topk", "ratio": 0.01, "hierarchical": true, ...}
+      "comm":       {"compressor": "topk", "ratio": 0.01, "hierarchical": true, ...},
+      "report":     {"dir": null, "plots": true, "profile": "10:12"}
     }
 
 Pipeline degree, partitioning and activation checkpointing use DeepSpeed's own
@@ -281,6 +282,20 @@ class MtpSection:
 
 
 @dataclass(kw_only=True)
+class ReportSection:
+    # where metrics.csv, the plots and profiles go; default: <checkpoint.dir>/report
+    dir: str | None = None
+    plots: bool = True              # PNG curves, communication breakdown and pipeline timeline at the end
+    # a torch.profiler window over optimizer steps, "FIRST:LAST" (--profile overrides)
+    profile: str | None = None
+
+    def check(self, where):
+        if self.profile is not None:
+            from ds_ext.profile.window import parse_window
+            parse_window(self.profile, flag=f"{where}.profile")
+
+
+@dataclass(kw_only=True)
 class SeekspeedSection:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     schedule: str = "1f1b"
@@ -293,6 +308,7 @@ class SeekspeedSection:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    report: ReportSection = field(default_factory=ReportSection)
 
     def check(self, where):
         if self.schedule not in SCHEDULES:

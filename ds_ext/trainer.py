@@ -32,6 +32,13 @@ def parse_args(argv=None):
     p.add_argument("--pipe-trace", metavar="DIR",
                    help="record every pipeline instruction of the last step and write a Chrome trace and a PNG "
                         "timeline (one lane per rank) into DIR")
+    p.add_argument("--profile", metavar="FIRST:LAST",
+                   help="record optimizer steps FIRST..LAST with torch.profiler on every rank: a Chrome trace and a "
+                        "table of the top operations per rank, communication grouped by collective, and the "
+                        "pipeline timeline, under the report directory's profile/ (overrides seekspeed.report.profile)")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="where metrics.csv, the plots and profiles go (default: seekspeed.report.dir, else "
+                        "<checkpoint dir>/report)")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -97,6 +104,17 @@ def validate(args, *, world_size):
     if s.init_from is not None:
         from .hf_io import check_hf_dir
         check_hf_dir(s.init_from, model_config)
+    profile = args.profile or s.report.profile
+    if profile:
+        from .profile.run import report_dir
+        from .profile.window import parse_window
+        first, last = parse_window(profile, flag="--profile" if args.profile else "seekspeed.report.profile")
+        if last > s.train.steps:
+            raise ConfigError(f"profile window {profile} ends after the last step ({s.train.steps}): choose steps "
+                              f"within 1..{s.train.steps}")
+        if report_dir(s.report, checkpoint_dir=s.checkpoint.dir, override=args.report_dir) is None:
+            raise ConfigError("a profile window needs a report directory: set seekspeed.checkpoint.dir, "
+                              "seekspeed.report.dir or --report-dir")
     if args.resume and not s.checkpoint.dir:
         raise ConfigError("--resume needs a checkpoint directory: set seekspeed.checkpoint.dir or --checkpoint-dir")
     if args.resume:
@@ -386,6 +404,10 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     start = engine.global_steps
     if batches is not None:
         batches.position = start * layout.grad_accum
+    report, window = _run_report(args, s, model_config, engine, start=start, rank=rank, has_moe=has_moe)
+    if batches is not None:
+        from .profile.run import TimedBatches
+        batches = TimedBatches(batches)
     total = s.train.steps
     if start >= total and rank == 0:
         print(f"nothing to do: the checkpoint is at step {start} and seekspeed.train.steps is {total}", flush=True)
@@ -414,15 +436,23 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     saved = []
     moe_stats, loss_parts, comm_steps = None, [], []
     for step in range(start + 1, total + 1):
-        traced = args.pipe_trace and step == total
-        if traced:
+        trace_dir = args.pipe_trace if args.pipe_trace and step == total else None
+        if window is not None and step == window.last and s.report.plots:
+            trace_dir = trace_dir or window.out_dir
+        if trace_dir:
             from .pipe.engine import InstructionTimeline
             dist.barrier()
             origin = time.perf_counter()
             engine.timeline = InstructionTimeline()
+        if window is not None:
+            window.before_step(step)
+        t_step = time.perf_counter()
         loss = engine.train_batch(batches).item()
-        if traced:
-            _write_pipe_trace(args.pipe_trace, engine, control, origin, rank=rank, stage=stage, dp_rank=dp_rank,
+        step_s = time.perf_counter() - t_step
+        if window is not None:
+            window.after_step(step)
+        if trace_dir:
+            _write_pipe_trace(trace_dir, engine, control, origin, rank=rank, stage=stage, dp_rank=dp_rank,
                               title=f"{s.schedule}, {layout.pipe_stages} stages, {layout.grad_accum} micro-batches, "
                                     f"step {step}")
         extra = None
@@ -446,6 +476,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
         if parts:
             loss_parts.append({name: float(value) for name, value in parts.items()})
+        _report_step(report, engine, step=step, loss=loss, step_s=step_s, layout=layout, batches=batches, parts=parts,
+                     moe_stats=moe_stats if has_moe and progress.is_log_step(step) else None)
         if save_due(step):
             save(step)
     if ckpt_dir and s.checkpoint.save_final and total > start:
@@ -456,7 +488,10 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         async_ckpt.wait()
         saved = [h["step"] for h in async_ckpt.committed()]
 
+    report_entry = report.finish(control, title=f"{s.recipe.name}/{s.recipe.preset}, {s.schedule}")
     summary = progress.summary()
+    if report_entry is not None:
+        summary["report"] = report_entry
     summary.update(peak_rss_mib=[round(r, 1) for r in control.gather(peak_rss_mib())], config=cfg.path,
                    layout=vars(layout) | {"tokens_per_step": layout.tokens_per_step},
                    checkpoints=[os.path.join(ckpt_dir, f"global_step{n}") for n in saved] if ckpt_dir else [])
@@ -482,6 +517,51 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _run_report(args, s, model_config, engine, *, start, rank, has_moe):
+    from .profile.run import RunReport, report_dir
+    directory = report_dir(s.report, checkpoint_dir=s.checkpoint.dir, override=args.report_dir)
+    window = None
+    profile = args.profile or s.report.profile
+    if profile:
+        from .profile.window import ProfileWindow, parse_window
+        first, last = parse_window(profile)
+        if last <= start and rank == 0:
+            print(f"profile: window {profile} lies before the resumed step {start}; nothing is profiled", flush=True)
+        window = ProfileWindow(first, last, out_dir=os.path.join(directory, "profile"), rank=rank,
+                               log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+    extra = []
+    if model_config.num_mtp_layers:
+        extra += ["loss_lm", "loss_mtp"]
+    if has_moe:
+        extra += ["moe_max_over_mean"]
+    report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
+                       monitor=getattr(engine, "monitor", None), window=window, plots=s.report.plots,
+                       log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+    if rank == 0 and directory:
+        print(f"report: {directory} (metrics.csv{', plots' if s.report.plots else ''}"
+              f"{f', profile of steps {profile}' if profile else ''})", flush=True)
+    return report, window
+
+
+def _report_step(report, engine, *, step, loss, step_s, layout, batches, parts, moe_stats):
+    norm = engine.get_global_grad_norm()
+    row = {"step": step, "loss": loss, "tokens_per_s": layout.tokens_per_step / step_s if step_s > 0 else None,
+           "lr": engine.get_lr()[0], "grad_norm": None if norm is None else float(norm), "step_s": step_s,
+           "data_wait_s": batches.take_wait() if batches is not None else None}
+    reducer = getattr(engine, "grad_reducer", None)
+    if reducer is not None and reducer.last is not None:
+        row["comm_bytes"], row["comm_s"] = reducer.last.wire_bytes, reducer.last.total_s
+    else:
+        row["comm_bytes"], row["comm_s"] = report.comms_logger_step()
+    for name, value in (parts or {}).items():
+        row[f"loss_{name}"] = float(value)
+    load = None
+    if moe_stats is not None:
+        row["moe_max_over_mean"] = moe_stats["max_over_mean_load"]
+        load = moe_stats["expert_load"]
+    report.write(row, expert_load=load)
 
 
 def _comm_summary(control, steps, section):
