@@ -10,19 +10,14 @@ expert, with 8 experts) and the final loss.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import launch  # noqa: E402
 CONFIG = os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json")
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(speed, steps, workdir):
@@ -32,16 +27,9 @@ def run(speed, steps, workdir):
     path = os.path.join(workdir, f"speed-{speed}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
-    summary = os.path.join(workdir, f"summary-{speed}.json")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "4", "--master_port",
-           str(_free_port()), "launch/train.py", "--deepspeed", path, "--steps", str(steps),
-           "--checkpoint-dir", os.path.join(workdir, f"ckpt-{speed}"), "--summary-json", summary]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"speed {speed} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    with open(summary) as f:
-        return json.load(f)
+    return launch(["launch/train.py", "--deepspeed", path, "--steps", str(steps), "--checkpoint-dir",
+                   os.path.join(workdir, f"ckpt-{speed}")], world=4,
+                  summary_json=os.path.join(workdir, f"summary-{speed}.json"), what=f"speed {speed}")
 
 
 def main():

@@ -16,9 +16,7 @@ schedule (simulator), the transfers and the per-step overheads it leaves out.
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,15 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import write_figures  # noqa: E402
+from benchmarks import free_port, launch, write_figures  # noqa: E402
 
 RUNS = {"1f1b": "tiny_cpu.json", "dualpipev": "tiny_dualpipev_cpu.json", "dualpipev-zb": "tiny_dualpipev_cpu.json"}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(schedule, workdir):
@@ -100,7 +92,7 @@ def measure_transfer(nbytes, rounds=50):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_p2p_worker, args=(r, port, nbytes, rounds, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -111,16 +103,10 @@ def measure_transfer(nbytes, rounds=50):
 
 
 def run_training(config_path, *, steps, workdir):
-    summary = os.path.join(workdir, os.path.basename(config_path) + ".summary.json")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(_free_port()), "launch/train.py", "--deepspeed", config_path, "--steps", str(steps), "--summary-json",
-           summary, "--checkpoint-dir", os.path.join(workdir, "ckpt-" + os.path.basename(config_path))]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{config_path} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    with open(summary) as f:
-        return json.load(f)
+    name = os.path.basename(config_path)
+    return launch(["launch/train.py", "--deepspeed", config_path, "--steps", str(steps), "--checkpoint-dir",
+                   os.path.join(workdir, "ckpt-" + name)], world=2, summary_json=os.path.join(workdir, name + ".summary.json"),
+                  what=name)
 
 
 def main(argv=None):

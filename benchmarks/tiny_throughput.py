@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks import launch  # noqa: E402
 
 RUNS = {
     "1f1b": ["launch/train.py", "--deepspeed", "ds_configs/tiny_cpu.json"],
@@ -35,25 +36,12 @@ RUNS = {
 WORLD = 4
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(name, steps, workdir):
     summary = os.path.join(workdir, f"{name}-{len(os.listdir(workdir))}.json")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(WORLD), "--master_port",
-           str(_free_port()), *RUNS[name], "--steps", str(steps), "--summary-json", summary]
+    args = [*RUNS[name], "--steps", str(steps)]
     if name != "hf-dp":
-        cmd += ["--checkpoint-dir", os.path.join(workdir, f"ckpt-{os.path.basename(summary)}")]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    with open(summary) as f:
-        return json.load(f)
+        args += ["--checkpoint-dir", os.path.join(workdir, f"ckpt-{os.path.basename(summary)}")]
+    return launch(args, world=WORLD, summary_json=summary, what=name)
 
 
 def _hf_worker(args):

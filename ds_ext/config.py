@@ -347,6 +347,13 @@ class RunConfig:
     warnings: list
 
 
+def fp32_grad_accumulation(ds):
+    """Whether DeepSpeed accumulates gradients in fp32: fp32 training, or
+    ``data_types.grad_accum_dtype: fp32`` under bf16/fp16."""
+    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    return not mixed or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+
+
 def read_json(path):
     if not os.path.exists(path):
         raise ConfigError(f"config file {path} does not exist: pass --deepspeed with a path such as "

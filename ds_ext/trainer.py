@@ -404,7 +404,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     start = engine.global_steps
     if batches is not None:
         batches.position = start * layout.grad_accum
-    report, window = _run_report(args, s, model_config, engine, start=start, rank=rank, has_moe=has_moe)
+    report, window = _run_report(args, s, model_config, engine, control, start=start, rank=rank, has_moe=has_moe)
     if batches is not None:
         from .profile.run import TimedBatches
         batches = TimedBatches(batches)
@@ -437,8 +437,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     moe_stats, loss_parts, comm_steps = None, [], []
     for step in range(start + 1, total + 1):
         trace_dir = args.pipe_trace if args.pipe_trace and step == total else None
-        if window is not None and step == window.last and s.report.plots:
-            trace_dir = trace_dir or window.out_dir
+        if window is not None and step == max(window.first, start + 1) and s.report.plots:
+            trace_dir = trace_dir or window.out_dir     # before the profiler starts: its barrier stays out
         if trace_dir:
             from .pipe.engine import InstructionTimeline
             dist.barrier()
@@ -449,8 +449,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         t_step = time.perf_counter()
         loss = engine.train_batch(batches).item()
         step_s = time.perf_counter() - t_step
-        if window is not None:
-            window.after_step(step)
+        if window is not None and step == window.last:
+            error = None
+            try:
+                window.after_step(step)
+            except OSError as exc:
+                error = SeekspeedError(str(exc))
+            control.stop_if_any_failed(error, rank=rank)
         if trace_dir:
             _write_pipe_trace(trace_dir, engine, control, origin, rank=rank, stage=stage, dp_rank=dp_rank,
                               title=f"{s.schedule}, {layout.pipe_stages} stages, {layout.grad_accum} micro-batches, "
@@ -519,7 +524,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     return 0
 
 
-def _run_report(args, s, model_config, engine, *, start, rank, has_moe):
+def _run_report(args, s, model_config, engine, control, *, start, rank, has_moe):
     from .profile.run import RunReport, report_dir
     directory = report_dir(s.report, checkpoint_dir=s.checkpoint.dir, override=args.report_dir)
     window = None
@@ -536,9 +541,15 @@ def _run_report(args, s, model_config, engine, *, start, rank, has_moe):
         extra += ["loss_lm", "loss_mtp"]
     if has_moe:
         extra += ["moe_max_over_mean"]
-    report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
-                       monitor=getattr(engine, "monitor", None), window=window, plots=s.report.plots,
-                       log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+    report, error = None, None
+    try:
+        report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
+                           monitor=getattr(engine, "monitor", None), window=window, plots=s.report.plots,
+                           log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+    except OSError as exc:
+        error = SeekspeedError(f"report directory {directory}: {exc.strerror or exc}; choose a writable "
+                               f"seekspeed.report.dir or --report-dir")
+    control.stop_if_any_failed(error, rank=rank)
     if rank == 0 and directory:
         print(f"report: {directory} (metrics.csv{', plots' if s.report.plots else ''}"
               f"{f', profile of steps {profile}' if profile else ''})", flush=True)

@@ -68,8 +68,8 @@ def report(plan):
                      f"{_gb(st.optimizer)} {_gb(st.activations)}  {_gb(st.activations_checkpointed)} {_gb(st.buffers)}"
                      f"{_gb(st.total)}{mark}")
     ckpt = "on" if plan.stages[0].checkpointing else "off"
-    lines += [f"  (total counts activations with checkpointing {ckpt}, as configured; peak micro-batches in flight "
-              f"per rank: {', '.join(str(st.in_flight) for st in plan.stages)})", "",
+    lines += [f"  (total counts activations with checkpointing {ckpt}, as configured; peak (chunk, micro-batch) "
+              f"activations held per rank: {', '.join(str(st.in_flight) for st in plan.stages)})", "",
               f"traffic per step (all links of one group; compressor: {plan.compressor})",
               f"  {'group':<18} {'ranks':>5} {'intra-node':>11} {'inter-node':>11} {'compressed intra':>17} "
               f"{'inter':>9} {'wait':>9}"]
@@ -78,10 +78,14 @@ def report(plan):
                      f"{_bytes(t.intra_bytes_compressed):>17} {_bytes(t.inter_bytes_compressed):>9} "
                      f"{t.seconds_compressed * 1e3:7.1f}ms")
     c = plan.chunk_costs
-    lines += ["", f"per micro-batch chunk: F {c['F'] * 1e3:.2f} ms, B {c['B'] * 1e3:.2f} ms"
-                  + (f", W {c['W'] * 1e3:.2f} ms" if c["W"] else "") + f", p2p {c['p2p'] * 1e3:.3f} ms",
-              f"step: pipeline {plan.makespan * 1e3:.1f} ms (bubble {plan.bubble * 1e3:.1f} ms = "
-              f"{plan.bubble / plan.makespan:.1%}) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms + optimizer "
+
+    def ms(values):
+        return "/".join(f"{v * 1e3:.1f}" for v in values)
+    lines += ["", f"per micro-batch, per layer chunk: F {ms(c['F'])} ms, B {ms(c['B'])} ms"
+                  + (f", W {ms(c['W'])} ms" if c["W"] else "") + f"; p2p {c['p2p'] * 1e3:.3f} ms",
+              f"step: pipeline {plan.makespan * 1e3:.1f} ms (idle: {(plan.makespan - plan.busy) * 1e3:.1f} ms = "
+              f"{(plan.makespan - plan.busy) / plan.makespan:.1%} on the busiest rank, {plan.bubble * 1e3:.1f} ms = "
+              f"{plan.bubble / plan.makespan:.1%} on the least busy) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms + optimizer "
               f"{plan.optimizer_seconds * 1e3:.1f} ms = {plan.step_seconds:.3f} s predicted; "
               f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / (plan.nodes * plan.ranks_per_node):,.0f} per GPU)"]
     lines += [f"note: {n}" for n in plan.notes]

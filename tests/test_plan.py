@@ -89,19 +89,109 @@ def test_activation_model_against_autograd(preset, layer_idx, kind, seq):
     assert abs(model - measured) / measured < 0.15, (model, measured)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev", "dualpipev-zb"])
-def test_bubble_is_the_simulators(tmp_path, schedule):
-    from ds_ext.pipe.simulate import formula_bubble, simulate
-    path = _config(tmp_path, "tiny_cpu.json", **{"seekspeed.schedule": schedule, "pipeline.stages": 2,
-                                                 "gradient_accumulation_steps": 8})
-    plan = make_plan(path, nodes=1, ranks_per_node=2)
-    c = plan.chunk_costs
-    sim = simulate(schedule, ranks=2, micro_batches=8, F=c["F"], B=c["B"], W=c["W"], comm=c["p2p"])
-    assert plan.makespan == pytest.approx(sim.makespan) and plan.bubble == pytest.approx(sim.bubble)
-    if schedule == "1f1b":   # no transfer time: DeepSpeed's 1F1B bubble is (stages - 1)(F + B)
-        flat = simulate(schedule, ranks=2, micro_batches=8, F=c["F"], B=c["B"])
-        assert flat.bubble == pytest.approx(formula_bubble("1f1b", ranks=2, F=c["F"], B=c["B"]))
+def _fast_links():
+    return Hardware(peak_tflops=100.0, efficiency=1.0, intra_gbps=1e12, inter_gbps=1e12, latency_us=0.0)
+
+
+def test_step_time_is_1f1b_by_hand(tmp_path):
+    """Two stages, m micro-batches, no transfer time: the last stage (it holds the
+    head) is the bottleneck, so 1F1B takes F0 + m (F1 + B1) + B0, with F from 2 FLOPs
+    per activated parameter and token plus causal attention, and B = 2F."""
+    from recipes import deepseek_v3
+    from recipes.layers.pipe import activated_parameters, stage_parameter_counts
+    m = 8
+    path = _config(tmp_path, "tiny_cpu.json", **{"gradient_accumulation_steps": m})
+    plan = make_plan(path, nodes=1, ranks_per_node=2, hardware=_fast_links())
+    config = deepseek_v3.make_config("tiny")
+    specs = deepseek_v3.layer_specs(config, seed=0)
+    tokens, seq = 4 * 128, 128
+    qk_v = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    F = []
+    for row in stage_parameter_counts(specs, stages=2, schedule="1f1b", partition_method="type:DecoderLayerPipe"):
+        (start, stop), = row["layer_ranges"]
+        layers = sum(1 for spec in specs[start:stop] if spec.typename.__name__ == "DecoderLayerPipe")
+        flops = tokens * (2 * activated_parameters(specs[start:stop]) + layers * config.num_attention_heads * seq * qk_v)
+        F.append(flops / 100e12)
+    B = [2 * f for f in F]
+    assert F[1] + B[1] > F[0] + B[0]
+    assert plan.chunk_costs["F"] == pytest.approx(F) and plan.chunk_costs["B"] == pytest.approx(B)
+    assert plan.makespan == pytest.approx(F[0] + m * (F[1] + B[1]) + B[0])
+    assert plan.bubble == pytest.approx(plan.makespan - m * (F[0] + B[0]))
     assert plan.step_seconds == pytest.approx(plan.makespan + plan.dp_seconds + plan.optimizer_seconds)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipev-zb", "dualpipe"])
+def test_balanced_bubbles_are_the_dualpipe_formulas(tmp_path, schedule):
+    """The planner's schedule times come from the simulator: with equal chunks and no
+    transfer time its bubble is the DualPipe README's formula where there is one."""
+    from ds_ext.pipe.simulate import formula_bubble, simulate
+    path = _config(tmp_path, "tiny_cpu.json", **{"seekspeed.schedule": schedule, "gradient_accumulation_steps": 8})
+    plan = make_plan(path, nodes=1, ranks_per_node=2, hardware=_fast_links())
+    c = plan.chunk_costs
+    sim = simulate(schedule, ranks=2, micro_batches=8, F=c["F"], B=c["B"], W=c["W"])
+    assert plan.makespan == pytest.approx(sim.makespan)
+    if schedule != "dualpipev":
+        even = simulate(schedule, ranks=2, micro_batches=8, F=1.0, B=2.0, W=1.0)
+        assert even.bubble == pytest.approx(formula_bubble(schedule, ranks=2, F=1.0, B=2.0, W=1.0))
+
+
+def test_expert_parallel_shards_memory_not_compute(tmp_path):
+    """Expert parallelism divides the routed experts a rank holds and their optimizer
+    shard, not the compute: each token still runs its k experts somewhere."""
+    plans = {}
+    for ep in (1, 2):
+        path = _config(tmp_path, "tiny_moe_cpu.json", **{"seekspeed.moe": {"expert_parallel_size": ep}})
+        plans[ep] = make_plan(path, nodes=1, ranks_per_node=4, hardware=_fast_links())
+    one, two = plans[1].stages, plans[2].stages
+    assert all(b.expert_params * 2 == a.expert_params > 0 for a, b in zip(one, two))
+    assert plans[1].chunk_costs["F"] == pytest.approx(plans[2].chunk_costs["F"], rel=1e-6)
+    assert plans[1].total_params == plans[2].total_params
+
+
+def _real_state_bytes(cfg_path):
+    """Bytes DeepSpeed really holds on this rank after a step: weights, gradients
+    (bf16 param.grad and the BF16 optimizer's fp32 accumulation buffer), optimizer
+    (fp32 master partition and Adam moments)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+    from ds_ext.config import load_config
+    from ds_ext.pipe.engine import initialize
+    from recipes import deepseek_v3
+    cfg = load_config(cfg_path, world_size=2)
+    model = deepseek_v3.build_pipeline(deepseek_v3.make_config("tiny"),
+                                       topology=ProcessTopology(axes=["pipe", "data"], dims=[2, 1]))
+    ds = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
+    engine = initialize(model=model, config=ds, schedule="1f1b",
+                        model_parameters=[p for p in model.parameters() if p.requires_grad], log=lambda m: None)
+    opt = engine.optimizer
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    seen = {}
+    inner_step = opt.step
+
+    def step(*args, **kwargs):       # gradients peak here: the step frees the bf16 ones
+        seen["gradients"] = size(p.grad for p in model.parameters()) + size(opt.fp32_groups_gradients_flat)
+        return inner_step(*args, **kwargs)
+    opt.step = step
+    x = torch.randint(0, 512, (4, 128))
+    engine.train_batch(iter([(x, x)] * 4))
+    states = [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"kind": type(opt).__name__, "weights": size(model.parameters()), "gradients": seen["gradients"],
+            "optimizer": size(opt.fp32_groups_flat_partition) + size(states)}
+
+
+@pytest.mark.multirank
+def test_memory_equals_deepspeeds_bf16_optimizer(tmp_path):
+    """bf16 with fp32 accumulation and ZeRO-1, as the production configs: the plan's
+    weights, gradients and optimizer state equal what DeepSpeed allocates (2 ranks)."""
+    path = _config(tmp_path, "tiny_cpu.json", **{"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    plan = make_plan(path, nodes=1, ranks_per_node=2)
+    real = run_ranks(_real_state_bytes, world_size=2, args=(path,), timeout=180)
+    for st, got in zip(plan.stages, real):
+        assert got["kind"] == "BF16_Optimizer"
+        assert st.weights == got["weights"]
+        assert st.gradients == pytest.approx(got["gradients"], rel=0.01)
+        assert st.optimizer == pytest.approx(got["optimizer"], rel=0.01)
 
 
 def test_production_configs_fit_and_report(tmp_path):
@@ -138,4 +228,9 @@ def test_too_large_config_is_refused(tmp_path, capsys):
     assert "pipeline rank 0 needs" in err and "of the 40 GB" in err and "optimizer" in err, err
     no_ckpt = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 0}),
                         nodes=128, ranks_per_node=8, hardware=Hardware(memory_gb=60))
-    assert not no_ckpt.fits and no_ckpt.stages[0].activations > no_ckpt.stages[0].activations_checkpointed
+    assert not no_ckpt.fits and no_ckpt.stages[0].activations > 3 * no_ckpt.stages[0].activations_checkpointed
+    every_2 = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 2}),
+                        nodes=128, ranks_per_node=8)
+    with_1 = make_plan(os.path.join(ROOT, "ds_configs", "128node.json"), nodes=128, ranks_per_node=8)
+    assert every_2.fits and all(a.activations_checkpointed < b.activations_checkpointed or a.rank == 0
+                                for a, b in zip(with_1.stages, every_2.stages))

@@ -81,6 +81,17 @@ def check_micro_batches(schedule, *, stages, micro_batches):
                           f"(train_batch_size) or use schedule 1f1b")
 
 
+def rank_chunks(schedule, *, rank, stages):
+    """Which parts of the layer list (as ``virtual_stages`` cuts it) pipeline rank
+    ``rank`` holds: its stage; for the V schedules also part 2 x stages - 1 - rank;
+    for dualpipe a copy of stage stages - 1 - rank."""
+    if check_schedule(schedule) in DUALPIPEV_FAMILY:
+        return [rank, 2 * stages - 1 - rank]
+    if schedule == "dualpipe":
+        return [rank, stages - 1 - rank]
+    return [rank]
+
+
 def data_stages(schedule, stages):
     """Pipeline stage ids whose ranks read training data (inputs and/or labels)."""
     if schedule in DUALPIPEV_FAMILY:

@@ -136,13 +136,29 @@ def _zb1p_ops(rank, ranks, micro_batches):
 # ---- the simulation -------------------------------------------------------------------
 
 def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
-    """Run the schedule's op sequences against the costs; returns a Result."""
-    if W > B:
-        raise ValueError(f"W ({W}) is part of B ({B}) and cannot exceed it")
-    FB = F + B if FB is None else FB
-    cost = {"F": F, "B": B, "Bi": B - W, "W": W, "FB": FB}
-    per_rank, stages = schedule_ops(schedule, ranks=ranks, micro_batches=micro_batches)
-    sim = _Simulation(schedule, ranks, stages, comm)
+    """Run the schedule's op sequences against the costs; returns a Result. ``F``,
+    ``B`` and ``W`` are one cost for every chunk, or a list with one per virtual stage
+    (unbalanced stages); an F&B chunk then costs its forward's F plus its backward's B."""
+    def at(cost, stage):
+        return cost[stage] if isinstance(cost, (list, tuple)) else cost
+
+    per_rank, num_stages = schedule_ops(schedule, ranks=ranks, micro_batches=micro_batches)
+    for v in range(num_stages):
+        if at(W, v) > at(B, v):
+            raise ValueError(f"W ({at(W, v)}) is part of B ({at(B, v)}) and cannot exceed it")
+
+    def duration(op):
+        if op.kind == "F":
+            return at(F, op.stage)
+        if op.kind == "B":
+            return at(B, op.stage)
+        if op.kind == "Bi":
+            return at(B, op.stage) - at(W, op.stage)
+        if op.kind == "W":
+            return at(W, op.stage)
+        return FB if FB is not None else at(F, op.stage) + at(B, op.stage2)    # "FB"
+
+    sim = _Simulation(schedule, ranks, num_stages, comm)
     index = [0] * ranks
     while any(index[r] < len(per_rank[r]) for r in range(ranks)):
         progressed = False
@@ -153,14 +169,19 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
                 continue
             op = per_rank[r][index[r]]
             t = sim.ready(r, op)
-            if sim.fillers[r] and (t is None or t >= sim.clock[r] + cost["W"]):
-                if t is not None or sim.earliest_input(r, op, cost) >= sim.clock[r] + cost["W"]:
-                    sim.run(r, Op("W"), start=sim.clock[r], duration=cost["W"])
-                    progressed = True
-                    break
+            if sim.fillers[r]:
+                w = Op("W", sim.w_stages[r][0])
+                if t is None or t >= sim.clock[r] + duration(w):
+                    bound = {"F": at(F, op.stage), "Bi": at(B, op.stage) - at(W, op.stage)}
+                    if t is not None or sim.earliest_input(r, op, bound) >= sim.clock[r] + duration(w):
+                        sim.run(r, w, start=sim.clock[r], duration=duration(w))
+                        progressed = True
+                        break
             if t is None:
                 continue
-            sim.run(r, op, start=max(sim.clock[r], t), duration=cost[op.kind])
+            if op.kind == "W":
+                op.stage = sim.w_stages[r][0]
+            sim.run(r, op, start=max(sim.clock[r], t), duration=duration(op))
             index[r] += 1
             progressed = True
             break
@@ -169,7 +190,8 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
             raise RuntimeError(f"{schedule} deadlocks: no rank can proceed; next ops {stuck}")
     for r in range(ranks):
         while sim.fillers[r]:
-            sim.run(r, Op("W"), start=sim.clock[r], duration=cost["W"])
+            w = Op("W", sim.w_stages[r][0])
+            sim.run(r, w, start=sim.clock[r], duration=duration(w))
     makespan = max(sim.clock)
     busy = [sum(o.end - o.start for o in ops) for ops in sim.timeline]
     return Result(schedule, ranks, micro_batches, makespan, busy, max(makespan - b for b in busy), sim.peak,
@@ -184,6 +206,7 @@ class _Simulation:
         self.fwd_done, self.bwd_done = {}, {}     # (direction, stage, mb) -> end time
         self.clock = [0.0] * ranks
         self.deferred = [[] for _ in range(ranks)]   # W work of deferred backward chunks, FIFO
+        self.w_stages = [[] for _ in range(ranks)]   # their virtual stages, same order
         self.fillers = [[] for _ in range(ranks)]    # ZB1P: W work run when the rank would wait
         self.timeline = [[] for _ in range(ranks)]
         self.live = [0] * ranks
@@ -241,11 +264,13 @@ class _Simulation:
             self.live[rank] -= 1
             if op.deferred:
                 (self.fillers if op.direction == -1 else self.deferred)[rank].append(op.end)
+                self.w_stages[rank].append(op.stage)
         if op.kind == "FB":
             self.bwd_done[(self._direction(rank, op.stage2, op.direction), op.stage2, op.mb2)] = op.end
             self.live[rank] -= 1
         if op.kind == "W":
             (self.deferred[rank] or self.fillers[rank]).pop(0)
+            op.stage = self.w_stages[rank].pop(0)
         self.peak[rank] = max(self.peak[rank], self.live[rank])
         self.timeline[rank].append(op)
 

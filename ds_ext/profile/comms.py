@@ -144,7 +144,8 @@ def format_table(rows):
     width = max(len("op"), *(len(r["op"]) for r in rows))
     header = (f"{'op':<{width}}  {'calls':>7}  {'bytes':>9}  {'total ms':>10}  {'mean ms':>9}  "
               f"{'algbw GB/s':>10}  {'busbw GB/s':>10}")
-    lines = ["deepspeed.comm ops (ms; GB/s = 1e9 bytes per second, nccl-tests' algbw and busbw)", header,
+    lines = ["deepspeed.comm ops (ms; GB/s = 1e9 bytes per second, nccl-tests' algbw and busbw; busbw takes n as "
+             "the job's world size, DeepSpeed does not log the group)", header,
              "-" * len(header)]
     for r in rows:
         lines.append(f"{r['op']:<{width}}  {r['count']:>7}  {_size(r['bytes']):>9}  {r['total_ms']:>10.3f}  "

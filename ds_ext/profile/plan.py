@@ -105,7 +105,7 @@ class Plan:
     stages: list               # [StageMemory]
     traffic: list              # [GroupTraffic]
     compressor: str
-    chunk_costs: dict          # seconds per micro-batch chunk: F, B, W, p2p
+    chunk_costs: dict          # seconds per micro-batch: F, B, W per layer chunk (virtual stage), p2p
     makespan: float            # the pipeline part of the step (simulator)
     bubble: float
     busy: float
@@ -227,192 +227,192 @@ def nodes_from_hostfile(path):
     return len(hosts), slots.pop()
 
 
-def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, activation_checkpointing=None):
+CHECKPOINTABLE = ("dense", "moe", "mtp-dense", "mtp-moe")     # the recipe's checkpointable_layers
+
+
+def gradient_bytes(ds):
+    """Bytes per parameter DeepSpeed keeps for gradients. bf16 with fp32 accumulation
+    under ZeRO-1 runs DeepSpeed's BF16_Optimizer: the bf16 ``param.grad`` stays
+    allocated (unless ``bf16.immediate_grad_update``) next to a full fp32 accumulation
+    buffer; other bf16/fp16 setups keep low-precision gradients; fp32 keeps fp32."""
+    from ds_ext.config import fp32_grad_accumulation
+    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    if not mixed:
+        return 4
+    if ds.get("bf16", {}).get("enabled", False) and fp32_grad_accumulation(ds):
+        return 4 + (0 if ds["bf16"].get("immediate_grad_update", False) else 2)
+    return 2
+
+
+def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
     """The plan for ``config_path`` on ``nodes`` x ``ranks_per_node`` GPUs.
-    ``activation_checkpointing`` overrides the config's pipeline.activation_checkpoint_interval
-    (None: as configured)."""
+    ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
+    from ds_ext.comm.traffic import payload_bytes
     from ds_ext.config import load_config
-    from ds_ext.pipe import virtual_stages
+    from ds_ext.pipe import rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
-    from ds_ext.topology.placement import choose, predict, rank_of
+    from ds_ext.topology.placement import choose, rank_of
     from ds_ext.topology.setup import estimate_traffic
+    from ds_ext.trainer import _partition_method
     from recipes import get_recipe
     from recipes.layers.pipe import partition
 
     hw = hardware or Hardware()
-    world = nodes * ranks_per_node
-    cfg = load_config(config_path, world_size=world)
+    cfg = load_config(config_path, world_size=nodes * ranks_per_node)
     s, lay, ds = cfg.section, cfg.layout, cfg.ds
     recipe = get_recipe(s.recipe.name)
     mc = recipe.make_config(s.recipe.preset, s.recipe.overrides)
     recipe.check_stages(mc, stages=lay.pipe_stages, schedule=s.schedule)
-    ep = s.moe.expert_parallel_size
-    if lay.data_parallel % ep:
-        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size "
-                          f"{lay.data_parallel}: choose a divisor of {lay.data_parallel}")
-    pipe_cfg = ds.get("pipeline", {})
-    method = pipe_cfg.get("partition", "best")
-    method = recipe.DEFAULT_PARTITION if method == "best" else method
-    checkpointing = (pipe_cfg.get("activation_checkpoint_interval", 0) > 0 if activation_checkpointing is None
-                     else activation_checkpointing)
-
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    fp16 = ds.get("fp16", {}).get("enabled", False)
-    mixed = bf16 or fp16
-    act_bytes = w_bytes = 2 if mixed else 4
-    fp32_grads = not mixed or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
-    g_bytes = 4 if fp32_grads else 2
+    ep, dp, pp = s.moe.expert_parallel_size, lay.data_parallel, lay.pipe_stages
+    interval = (ds.get("pipeline", {}).get("activation_checkpoint_interval", 0) if checkpoint_interval is None
+                else checkpoint_interval)
+    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    a = w_bytes = 2 if mixed else 4
+    g_bytes = gradient_bytes(ds)
+    from ds_ext.config import fp32_grad_accumulation
+    reduce_bytes = 4 if fp32_grad_accumulation(ds) else 2      # what the data-parallel reduction moves
     zero = ds.get("zero_optimization", {}).get("stage", 0)
-    opt_bytes = 8 + (4 if mixed else 0)
+    opt_bytes = 8 + (4 if mixed else 0)       # Adam moments, plus fp32 master weights in mixed precision
     bucket = ds.get("zero_optimization", {}).get("reduce_bucket_size", 5e8) * 4 if zero >= 1 else 0
-    tokens = lay.micro_batch * lay.seq_len
+    tokens, h = lay.micro_batch * lay.seq_len, mc.hidden_size
 
+    # Layers: parameters held (this rank's experts only) and compute (every routed expert
+    # a token picks, wherever it lives: from the unsharded build).
     specs = recipe.layer_specs(mc, seed=0, ep_size=ep, ep_rank=0)
     figures = _layer_figures(specs, mc)
-    parts = virtual_stages(s.schedule, lay.pipe_stages)
-    bounds = partition(specs, num_parts=parts, method=method)
+    full = figures if ep == 1 else _layer_figures(recipe.layer_specs(mc, seed=0), mc)
+    for row, whole in zip(figures, full):
+        row["active"] = whole["active"]
+    parts = virtual_stages(s.schedule, pp)
+    bounds = [int(b) for b in partition(specs, num_parts=parts, method=_partition_method(ds, recipe))]
+    chunks = [figures[bounds[p]:bounds[p + 1]] for p in range(parts)]
 
-    def chunk(p):
-        return figures[bounds[p]:bounds[p + 1]]
+    def full_bytes(r):
+        return tokens * layer_activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=a)
 
-    def act_per_mb(rows, *, full):
-        if full:
-            return tokens * sum(layer_activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=act_bytes)
-                                for r in rows)
-        return tokens * sum(mc.hidden_size * act_bytes if r["kind"] not in ("embed", "norm", "head") else
-                            layer_activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=act_bytes)
-                            for r in rows)
+    ckpt_k = interval if interval > 0 else 1     # the "with checkpointing" column when it is off: every layer
 
-    def fwd_flops(rows):
-        attn = sum(attention_flops(mc, seq_len=lay.seq_len) / 2 for r in rows
-                   if r["kind"] in ("dense", "moe", "mtp-dense", "mtp-moe"))   # causal: half the scores
-        return tokens * (2 * sum(r["active"] for r in rows) + 2 * attn)
+    def chunk_activations(rows):
+        """(bytes kept per micro-batch, bytes of the largest recomputed group) with
+        checkpointing: DeepSpeed checkpoints each run of ``ckpt_k`` layers whose layers
+        are all checkpointable, keeping its input; other layers keep everything."""
+        kept = recompute = 0
+        for i in range(0, len(rows), ckpt_k):
+            group = rows[i:i + ckpt_k]
+            if all(r["kind"] in CHECKPOINTABLE for r in group):
+                kept += tokens * h * a
+                recompute = max(recompute, sum(full_bytes(r) for r in group))
+            else:
+                kept += sum(full_bytes(r) for r in group)
+        return kept, recompute
 
-    # The schedule: per-chunk costs from the slowest chunk.
-    f_flops = max(fwd_flops(chunk(p)) for p in range(parts))
-    w_flops = max(tokens * 2 * sum(r["active"] for r in chunk(p)) for p in range(parts))
-    F = f_flops / hw.flops
-    W = w_flops / hw.flops
-    B = 2 * F + (F if checkpointing else 0.0)
-    expert_seconds = 0.0
-    dp, pp = lay.data_parallel, lay.pipe_stages
-    moe_layers_per_chunk = max(sum(1 for r in chunk(p) if r["kind"].endswith("moe")) for p in range(parts))
-    a2a_bytes = 0.0
-    ep_span_nodes = 1
-    traffic = estimate_traffic(model_config=mc, layout=lay, ds=ds,
-                               stage_params=max(sum(r["params"] for r in chunk(p)) for p in range(parts)), ep=ep,
-                               compute_tflops=hw.flops / 1e12)
-    if s.topology.placement == "auto":
-        best, _ = choose(pp=pp, dp=dp, ep=ep, moe=mc.num_moe_layers() > 0, traffic=traffic,
-                         ranks_per_node=ranks_per_node, intra_gbps=hw.intra_gbps, inter_gbps=hw.inter_gbps)
-        placement = best.placement
-    else:
-        placement = s.topology.placement
-        predict(placement, pp=pp, dp=dp, ep=ep, traffic=traffic, ranks_per_node=ranks_per_node,
-                intra_gbps=hw.intra_gbps, inter_gbps=hw.inter_gbps)
+    # Placement (as the trainer chooses it) and where each group's links run.
+    traffic = estimate_traffic(model_config=mc, layout=lay, ds=ds, stage_params=max(
+        sum(r["params"] for r in rows) for rows in chunks), ep=ep, compute_tflops=hw.flops / 1e12)
+    placement = s.topology.placement
+    if placement == "auto":
+        placement = choose(pp=pp, dp=dp, ep=ep, moe=mc.num_moe_layers() > 0, traffic=traffic,
+                           ranks_per_node=ranks_per_node, intra_gbps=hw.intra_gbps, inter_gbps=hw.inter_gbps)[0].placement
 
     def node(stage, data):
         return rank_of(placement, stage=stage, data=data, pp=pp, dp=dp) // ranks_per_node
 
-    if ep > 1 and moe_layers_per_chunk:
-        ep_span_nodes = len({node(0, d) for d in range(ep)})
-        bw = (hw.inter_gbps if ep_span_nodes > 1 else hw.intra_gbps) * GB
-        # dispatch + combine of the k routed copies of each token; (ep-1)/ep leave the rank
-        a2a_bytes = 2 * tokens * mc.num_experts_per_tok * mc.hidden_size * act_bytes * (ep - 1) / ep
-        expert_seconds = moe_layers_per_chunk * a2a_bytes / bw
-        F += expert_seconds
-        B += 2 * expert_seconds if checkpointing else expert_seconds
-
-    p2p_bytes = tokens * mc.hidden_size * act_bytes * (2 if mc.num_mtp_layers else 1)
+    # Per-chunk costs (seconds per micro-batch) for the simulator.
+    a2a_layer = 0.0            # one MoE layer's dispatch + combine for one micro-batch, one pass
+    a2a_bw = hw.intra_gbps * GB
+    if ep > 1 and mc.num_moe_layers():
+        a2a_bw = (hw.inter_gbps if len({node(0, d) for d in range(ep)}) > 1 else hw.intra_gbps) * GB
+        a2a_layer = 2 * tokens * mc.num_experts_per_tok * h * a * (ep - 1) / ep
+    recompute_passes = 1 if interval > 0 else 0
+    F, B, W = [], [], []
+    for rows in chunks:
+        attention = sum(attention_flops(mc, seq_len=lay.seq_len) / 2 for r in rows if r["kind"] in CHECKPOINTABLE)
+        weights = 2 * tokens * sum(r["active"] for r in rows)
+        forward = (weights + 2 * tokens * attention) / hw.flops
+        moe_layers = sum(1 for r in rows if r["kind"].endswith("moe"))
+        a2a = moe_layers * a2a_layer / a2a_bw
+        F.append(forward + a2a)
+        B.append((2 + recompute_passes) * forward + (1 + recompute_passes) * a2a)
+        W.append(weights / hw.flops)
+    zb = s.schedule in ("dualpipev-zb", "dualpipe")
+    if not zb:
+        W = 0.0
+    p2p_bytes = tokens * h * a * (2 if mc.num_mtp_layers else 1)
     pipe_cross = any(node(st, 0) != node(st + 1, 0) for st in range(pp - 1))
     p2p = p2p_bytes / ((hw.inter_gbps if pipe_cross else hw.intra_gbps) * GB) + hw.latency_us * 1e-6
-    zb = s.schedule in ("dualpipev-zb", "dualpipe")
-    sim = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W if zb else 0.0, comm=p2p)
-    no_p2p = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W if zb else 0.0, comm=0.0)
+    sim = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, comm=p2p)
+    no_p2p = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, comm=0.0)
 
     # Memory per pipeline rank.
-    full_bytes = [act_per_mb(chunk(p), full=True) for p in range(parts)]
-    ckpt_bytes = [act_per_mb(chunk(p), full=False) for p in range(parts)]
-    peak_full, peak_ckpt = _peak_bytes(sim.timeline, full_bytes), _peak_bytes(sim.timeline, ckpt_bytes)
+    kept = [chunk_activations(rows) for rows in chunks]
+    peak_full = _peak_bytes(sim.timeline, [sum(full_bytes(r) for r in rows) for rows in chunks])
+    peak_kept = _peak_bytes(sim.timeline, [k for k, _ in kept])
     stages, stage_matrices = [], []
     for rank in range(pp):
-        owned = [rank] if parts == pp and s.schedule != "dualpipe" else [rank, parts - 1 - rank]
+        owned = rank_chunks(s.schedule, rank=rank, stages=pp)
         rows, seen = [], set()
         for p in owned:
-            for r in chunk(p):
+            for r in chunks[p]:
                 if r["tied"] is not None and r["tied"] in seen:
-                    rows.append(r | {"params": 0, "experts": 0, "matrices": {True: [], False: []}})    # held once
-                    continue
+                    continue                                   # a tied matrix is held once per rank
                 if r["tied"] is not None:
                     seen.add(r["tied"])
                 rows.append(r)
         params = sum(r["params"] for r in rows)
         experts = sum(r["experts"] for r in rows)
-        dense = params - experts
-        opt_div_dense = dp if zero >= 1 else 1
-        opt_div_expert = max(dp // ep, 1) if zero >= 1 else 1
-        largest_layer = max((tokens * layer_activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=act_bytes)
-                             for r in rows if r["kind"] not in ("embed", "norm", "head")), default=0)
-        head_logits = tokens * mc.vocab_size * act_bytes if any(r["kind"] == "head" for r in rows) else 0
+        shards = (dp, max(dp // ep, 1)) if zero >= 1 else (1, 1)
+        head_logits = tokens * mc.vocab_size * a if any(r["kind"] == "head" for r in rows) else 0
+        recompute = max(kept[p][1] for p in owned)
         stage_matrices.append({flag: [m for r in rows for m in r["matrices"][flag]] for flag in (True, False)})
         stages.append(StageMemory(
-            rank=rank, layers=[(int(bounds[p]), int(bounds[p + 1])) for p in owned], params=params,
-            expert_params=experts, weights=params * w_bytes, gradients=params * g_bytes,
-            optimizer=opt_bytes * (dense / opt_div_dense + experts / opt_div_expert),
+            rank=rank, layers=[(bounds[p], bounds[p + 1]) for p in owned], params=params, expert_params=experts,
+            weights=params * w_bytes, gradients=params * g_bytes,
+            optimizer=opt_bytes * ((params - experts) / shards[0] + experts / shards[1]),
             activations=peak_full[rank] + head_logits,
-            activations_checkpointed=peak_ckpt[rank] + largest_layer + head_logits,
-            buffers=bucket + hw.reserve_gb * GB, checkpointing=checkpointing, in_flight=sim.peak_activations[rank]))
+            activations_checkpointed=peak_kept[rank] + recompute + head_logits,
+            buffers=bucket + hw.reserve_gb * GB, checkpointing=interval > 0, in_flight=sim.peak_activations[rank]))
 
-    # Data-parallel gradient reduction (per stage), dense and with the configured compressor.
-    from ds_ext.comm.traffic import payload_bytes
+    # Gradient reduction per stage: dense over the data-parallel group, routed experts
+    # over their expert-data-parallel group; dense and with the configured compressor.
     comm = s.comm
-    groups = []
-    worst_dense = worst_comp = 0.0
-    for rank, st in enumerate(stages):
-        def payload(numel, matrices):
-            big = [m for m in matrices if m[0] * m[1] >= comm.min_numel]
-            return payload_bytes(comm.compressor, numel=numel, ratio=comm.ratio, rank=comm.rank,
-                                 block_size=comm.block_size, matrices=big)
-        g = _dp_group(numel=st.params - st.expert_params, grad_bytes=g_bytes, members=[node(rank, d) for d in range(dp)],
-                      hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
-                      payload=lambda numel, m=stage_matrices[rank][False]: payload(numel, m))
-        if st.expert_params:
-            # routed experts: over the ranks holding the same experts (expert-data-parallel group)
-            ex = _dp_group(numel=st.expert_params, grad_bytes=g_bytes, members=[node(rank, d) for d in range(0, dp, ep)],
-                           hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
-                           payload=lambda numel, m=stage_matrices[rank][True]: payload(numel, m))
-            for key in ("intra_bytes", "inter_bytes", "intra_bytes_compressed", "inter_bytes_compressed",
-                        "seconds", "seconds_compressed"):
-                g[key] += ex[key]
-        if rank == 0 or g["seconds"] > worst_dense:
-            groups_dp = g
-        worst_dense = max(worst_dense, g["seconds"])
-        worst_comp = max(worst_comp, g["seconds_compressed"])
-    groups.append(GroupTraffic(group="data-parallel", members=dp, **groups_dp))
-    chain_bytes = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * (2 if parts != pp else 1)
-    cross = sum(node(st, 0) != node(st + 1, 0) for st in range(pp - 1))
-    inter_share = cross / max(pp - 1, 1)
-    groups.append(GroupTraffic(group="pipeline", members=pp, intra_bytes=chain_bytes * (1 - inter_share),
-                               inter_bytes=chain_bytes * inter_share,
-                               intra_bytes_compressed=chain_bytes * (1 - inter_share),
-                               inter_bytes_compressed=chain_bytes * inter_share,
-                               seconds=sim.makespan - no_p2p.makespan,
-                               seconds_compressed=sim.makespan - no_p2p.makespan))
-    if ep > 1 and mc.num_moe_layers():
-        per_step = 4 * a2a_bytes / 2 * ep * lay.grad_accum * moe_layers_per_chunk * (parts // pp)
-        key = "inter" if ep_span_nodes > 1 else "intra"
-        groups.append(GroupTraffic(group="expert all-to-all", members=ep,
-                                   **{f"{key}_bytes": per_step, f"{key}_bytes_compressed": per_step},
-                                   **{f"{other}_bytes": 0.0 for other in ("intra", "inter") if other != key},
-                                   **{f"{other}_bytes_compressed": 0.0 for other in ("intra", "inter") if other != key},
-                                   seconds=expert_seconds * 2 * lay.grad_accum, seconds_compressed=expert_seconds * 2 * lay.grad_accum))
 
-    dp_seconds = worst_comp if comm.compressor != "none" else worst_dense
+    def payload(matrices):
+        big = [m for m in matrices if m[0] * m[1] >= comm.min_numel]
+        return lambda numel: payload_bytes(comm.compressor, numel=numel, ratio=comm.ratio, rank=comm.rank,
+                                           block_size=comm.block_size, matrices=big)
+    reductions = []
+    for rank, st in enumerate(stages):
+        g = _dp_group(numel=st.params - st.expert_params, grad_bytes=reduce_bytes, members=[node(rank, d) for d in range(dp)],
+                      hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
+                      payload=payload(stage_matrices[rank][False]))
+        if st.expert_params:
+            ex = _dp_group(numel=st.expert_params, grad_bytes=reduce_bytes, members=[node(rank, d) for d in range(0, dp, ep)],
+                           hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
+                           payload=payload(stage_matrices[rank][True]))
+            g = {k: g[k] + ex[k] for k in g}
+        reductions.append(g)
+    worst = max(reductions, key=lambda g: g["seconds_compressed"])
+    groups = [GroupTraffic(group="data-parallel", members=dp, **worst)]
+    chain = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * (2 if parts != pp or s.schedule == "dualpipe" else 1)
+    crossing = sum(node(st, 0) != node(st + 1, 0) for st in range(pp - 1)) / max(pp - 1, 1)
+    groups.append(GroupTraffic(group="pipeline", members=pp, intra_bytes=chain * (1 - crossing),
+                               inter_bytes=chain * crossing, intra_bytes_compressed=chain * (1 - crossing),
+                               inter_bytes_compressed=chain * crossing, seconds=sim.makespan - no_p2p.makespan,
+                               seconds_compressed=sim.makespan - no_p2p.makespan))
+    if a2a_layer:
+        # per rank per step: every MoE layer it holds, forward + backward (+ recompute), every micro-batch
+        passes = lay.grad_accum * (2 + recompute_passes)
+        per_rank = max(sum(1 for p in rank_chunks(s.schedule, rank=r, stages=pp) for row in chunks[p]
+                           if row["kind"].endswith("moe")) for r in range(pp)) * passes * a2a_layer
+        key = "inter" if a2a_bw == hw.inter_gbps * GB else "intra"
+        other = "intra" if key == "inter" else "inter"
+        groups.append(GroupTraffic(group="expert all-to-all", members=ep, **{
+            f"{key}_bytes": per_rank * ep, f"{key}_bytes_compressed": per_rank * ep, f"{other}_bytes": 0.0,
+            f"{other}_bytes_compressed": 0.0, "seconds": per_rank / a2a_bw, "seconds_compressed": per_rank / a2a_bw}))
+
+    dp_seconds = worst["seconds_compressed"] if comm.compressor != "none" else max(g["seconds"] for g in reductions)
     biggest = max(stages, key=lambda st: st.params)
     optimizer_seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
-    step = sim.makespan + dp_seconds + optimizer_seconds
-    fits = all(st.total <= hw.memory_gb * GB for st in stages)
-    full = figures if ep == 1 else _layer_figures(recipe.layer_specs(mc, seed=0), mc)
     first_of = {}
     for i, r in enumerate(full):
         first_of.setdefault(r["tied"], i)
@@ -420,30 +420,36 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, activation_c
     notes = []
     if ep > 1:
         notes.append(f"per-rank counts hold {mc.n_routed_experts // ep} of {mc.n_routed_experts} routed experts "
-                     f"per MoE layer (expert parallel {ep})")
+                     f"per MoE layer (expert parallel {ep}); the all-to-all is not overlapped with compute here")
+    busy = sim.busy
+    if max(busy) > 1.15 * min(busy):
+        notes.append("stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank")
     return Plan(config=config_path, schedule=s.schedule, nodes=nodes, ranks_per_node=ranks_per_node,
                 layout=vars(lay) | {"tokens_per_step": lay.tokens_per_step}, placement=placement, hardware=hw,
                 stages=stages, traffic=groups, compressor=comm.compressor,
-                chunk_costs={"F": F, "B": B, "W": W if zb else 0.0, "p2p": p2p},
-                makespan=sim.makespan, bubble=sim.bubble, busy=max(sim.busy), dp_seconds=dp_seconds,
-                optimizer_seconds=optimizer_seconds, step_seconds=step, tokens_per_step=lay.tokens_per_step,
-                fits=fits, total_params=unique, zero_stage=zero, notes=notes)
+                chunk_costs={"F": F, "B": B, "W": W, "p2p": p2p},
+                makespan=sim.makespan, bubble=sim.bubble, busy=max(busy), dp_seconds=dp_seconds,
+                optimizer_seconds=optimizer_seconds, step_seconds=sim.makespan + dp_seconds + optimizer_seconds,
+                tokens_per_step=lay.tokens_per_step, fits=all(st.total <= hw.memory_gb * GB for st in stages),
+                total_params=unique, zero_stage=zero, notes=notes)
 
 
 def _peak_bytes(timeline, stage_bytes):
     """Per rank: the most activation bytes alive at once, walking the simulated ops in
-    order (a forward of virtual stage s adds ``stage_bytes[s]``, its backward frees them)."""
+    order: a forward of virtual stage s adds ``stage_bytes[s]``, its backward frees
+    them, or, when the backward defers its weight gradient, the W that runs it (the
+    layer inputs and output gradients wait for it; counted as all of the chunk's)."""
     peaks = []
     for ops in timeline:
         live = peak = 0.0
         for op in ops:
             if op.kind in ("F", "FB"):
                 live += stage_bytes[op.stage]
-            if op.kind in ("B", "Bi"):
+            peak = max(peak, live)
+            if op.kind == "B" or (op.kind == "Bi" and not op.deferred) or op.kind == "W":
                 live -= stage_bytes[op.stage]
             if op.kind == "FB":
                 live -= stage_bytes[op.stage2]
-            peak = max(peak, live)
         peaks.append(peak)
     return peaks
 
@@ -471,8 +477,6 @@ def _dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, paylo
         out["seconds_compressed"] = out["seconds"]
         return out
     p_bytes, kind = payload(numel)
-    if compressor in ("fp32",):
-        p_bytes = size
     if not hierarchical or nodes == 1:
         c_edge = 2 * (n - 1) / n * p_bytes if kind == "all_reduce" else (n - 1) * p_bytes
         out["intra_bytes_compressed"], out["inter_bytes_compressed"] = (n - crossing) * c_edge, crossing * c_edge
@@ -498,7 +502,7 @@ def check_fits(plan):
             raise ConfigError(
                 f"pipeline rank {st.rank} needs {st.total / GB:.1f} GB of the {plan.hardware.memory_gb:g} GB on a "
                 f"{plan.hardware.name} (weights {st.weights / GB:.1f}, gradients {st.gradients / GB:.1f}, optimizer "
-                f"{st.optimizer / GB:.1f}, activations {act / GB:.1f} for {st.in_flight} micro-batches in flight, "
+                f"{st.optimizer / GB:.1f}, activations {act / GB:.1f} at the schedule's peak, "
                 f"buffers {st.buffers / GB:.1f}): {hint}add pipeline stages, "
                 f"{'use ZeRO stage 1, ' if plan.zero_stage == 0 else 'add data-parallel ranks (ZeRO shards the optimizer over them), '}"
                 f"or lower train_micro_batch_size_per_gpu")

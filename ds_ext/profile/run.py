@@ -123,6 +123,8 @@ class RunReport:
             path = os.path.join(self.directory, "comm_breakdown.png")
             plot_comm_breakdown(entries, path, title=f"{title} — {what}" if title else what)
             written.append(path)
+        else:
+            self.log("report: no communication breakdown plot (it needs --profile or DeepSpeed's comms_logger)")
         for p in written:
             self.log(f"report: {p}")
         return written
@@ -143,11 +145,15 @@ def _breakdown(profiles, logged):
     if profiles:
         entries = []
         for p in sorted(profiles, key=lambda p: p["rank"]):
+            # collectives overlap one another (batched sends and receives): each gets its
+            # share of the time any communication was in flight
             parts = {name: c["ms_per_step"] for name, c in p["by_collective"].items()}
-            parts = {"compute and other": max(p["wall_ms_per_step"] - sum(parts.values()), 0.0), **parts}
+            scale = p["comm_ms_per_step"] / sum(parts.values()) if sum(parts.values()) > 0 else 0.0
+            parts = {"compute and other": max(p["wall_ms_per_step"] - p["comm_ms_per_step"], 0.0),
+                     **{name: ms * scale for name, ms in parts.items()}}
             entries.append({"label": f"rank {p['rank']}", "parts": parts})
         first, last = profiles[0]["steps"]
-        return entries, f"profiled steps {first}-{last}, ms per step"
+        return entries, f"profiled steps {first}-{last}, ms per step, communication in flight"
     if any(rows for rows in logged if rows):
         entries = [{"label": f"rank {r}", "parts": {row["op"]: row["total_ms"] for row in rows}}
                    for r, rows in enumerate(logged) if rows]

@@ -147,6 +147,7 @@ class ProfileWindow:
         self.trace_path = os.path.join(out_dir, f"rank{rank}.trace.json")
         self.ops_path = os.path.join(out_dir, f"rank{rank}.ops.txt")
         self.summary = None
+        self._started = first
         self._prof = None
         self._t0 = None
 
@@ -155,8 +156,11 @@ class ProfileWindow:
         return self._prof is not None
 
     def before_step(self, step):
-        if step != self.first or self.active:
+        if self.active or self.summary is not None or not self.first <= step <= self.last:
             return
+        if step > self.first:
+            self.log(f"profile: window {self.first}:{self.last} starts at step {step} (the run resumed inside it)")
+        self._started = step
         import torch
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU]
@@ -200,12 +204,12 @@ class ProfileWindow:
         except OSError as exc:
             raise OSError(f"profile: the trace was not written to out_dir {self.out_dir!r} "
                           f"({exc.strerror or exc}); choose a writable directory") from exc
-        steps = self.last - self.first + 1
+        steps = self.last - self._started + 1
         calls = collective_intervals(events)
         comm_ms = union_us([span for spans in calls.values() for span in spans]) / 1e3
         ops = _top_ops(prof)
         self.summary = {
-            "rank": self.rank, "steps": [self.first, self.last],
+            "rank": self.rank, "steps": [self._started, self.last],
             "wall_ms_per_step": wall_ms / steps,
             "comm_ms_per_step": comm_ms / steps,
             # the trace's clock and perf_counter may disagree by microseconds
@@ -223,7 +227,7 @@ class ProfileWindow:
         except OSError as exc:
             raise OSError(f"profile: cannot write {self.ops_path!r} in out_dir {self.out_dir!r} "
                           f"({exc.strerror or exc}); choose a writable directory") from exc
-        self.log(f"profile: steps {self.first}-{self.last} -> {self.trace_path}")
+        self.log(f"profile: steps {self._started}-{self.last} -> {self.trace_path}")
 
 
 def _top_ops(prof):

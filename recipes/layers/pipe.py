@@ -250,7 +250,7 @@ def activated_parameters(specs):
 
 def stage_parameter_counts(specs, *, stages, schedule, partition_method):
     """Per pipeline rank: its layer ranges and parameter count, without allocating."""
-    from ds_ext.pipe import virtual_stages
+    from ds_ext.pipe import rank_chunks, virtual_stages
     parts = virtual_stages(schedule, stages)
     bounds = partition(specs, num_parts=parts, method=partition_method)
     counts = [count_parameters(s) for s in specs]
@@ -261,7 +261,7 @@ def stage_parameter_counts(specs, *, stages, schedule, partition_method):
     unique_total = sum(c for i, c in enumerate(counts) if not hasattr(specs[i], "key") or tied_keys[specs[i].key] == i)
     rows = []
     for rank in range(stages):
-        owned = [rank] if parts == stages else [rank, parts - 1 - rank]
+        owned = rank_chunks(schedule, rank=rank, stages=stages)
         ranges = [(bounds[p], bounds[p + 1]) for p in owned]
         seen_keys, params = set(), 0
         for start, stop in ranges:
