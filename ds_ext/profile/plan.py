@@ -307,8 +307,10 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         return kept, recompute
 
     # Placement (as the trainer chooses it) and where each group's links run.
-    traffic = estimate_traffic(model_config=mc, layout=lay, ds=ds, stage_params=max(
-        sum(r["params"] for r in rows) for rows in chunks), ep=ep, compute_tflops=hw.flops / 1e12)
+    rank_params = max(sum(r["params"] for p in rank_chunks(s.schedule, rank=rank, stages=pp) for r in chunks[p])
+                      for rank in range(pp))        # what the trainer's placement choice is given
+    traffic = estimate_traffic(model_config=mc, layout=lay, ds=ds, stage_params=rank_params, ep=ep,
+                               compute_tflops=hw.flops / 1e12)
     placement = s.topology.placement
     if placement == "auto":
         placement = choose(pp=pp, dp=dp, ep=ep, moe=mc.num_moe_layers() > 0, traffic=traffic,
