@@ -79,6 +79,9 @@ class DataSection:
     seq_len: int = 128
     num_proc: int = 1
     max_documents: int | None = None
+    # "causal": attention sees every earlier token of the packed row; "document": only the
+    # earlier tokens of its own document (documents end with the tokenizer's eos token)
+    attention: str = "causal"
     # "memory": each data rank tokenises its share into RAM; "tiered": packed shards on disk
     # (built once), one global order, read through a hot/cold tier (ds_ext/data/tiers.py)
     pipeline: str = "memory"
@@ -94,7 +97,8 @@ class DataSection:
     mixture: list[MixtureSource] = field(default_factory=list)
 
     def check(self, where):
-        _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"))
+        _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"),
+                       attention=("causal", "document"))
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")

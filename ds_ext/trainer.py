@@ -98,6 +98,9 @@ def validate(args, *, world_size):
     if model_config.max_position_embeddings < s.data.seq_len:
         raise ConfigError(f"seekspeed.data.seq_len {s.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model_config.max_position_embeddings}: lower seq_len or raise it in recipe.overrides")
+    if s.data.attention == "document" and model_config.num_mtp_layers:
+        raise ConfigError("seekspeed.data.attention \"document\" does not support multi-token prediction yet: set "
+                          "num_mtp_layers to 0 in recipe.overrides or attention to \"causal\"")
     tokenizer = load_tokenizer(s.data.tokenizer, vocab_size=model_config.vocab_size)
     for section, _ in s.data.sources():
         resolve_source(section)
@@ -346,7 +349,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                   activation_checkpoint_interval=cfg.ds.get("pipeline", {}).get(
                                       "activation_checkpoint_interval", 0),
                                   seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight,
-                                  expert_parallel_size=s.moe.expert_parallel_size)
+                                  expert_parallel_size=s.moe.expert_parallel_size,
+                                  document_token=tokenizer.eos_token_id if s.data.attention == "document" else None)
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
     init_tensors, error = 0, None

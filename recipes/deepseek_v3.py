@@ -161,7 +161,7 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return from_dict(DeepseekV3Config, {**PRESETS[preset], **(overrides or {})}, where=f"{where}.overrides")
 
 
-def layer_specs(config, *, seed, ep_size=1, ep_rank=0):
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None):
     """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final
     norm, head.
 
@@ -172,14 +172,20 @@ def layer_specs(config, *, seed, ep_size=1, ep_rank=0):
     """
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
     mtp = config.num_mtp_layers > 0
+    if mtp and document_token is not None:
+        raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") does not support "
+                          "multi-token prediction yet: set num_mtp_layers to 0 or attention to \"causal\"")
+    carry = mtp or document_token is not None
 
     def embed(**kw):
-        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=mtp,
+        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=carry,
                              tied_weight_attr=["embed_tokens.weight"], **kw)
 
-    specs = [embed() if config.tie_word_embeddings or mtp else LayerSpec(EmbeddingPipe, config, seed=seed)]
+    specs = [embed() if config.tie_word_embeddings or mtp else
+             LayerSpec(EmbeddingPipe, config, seed=seed, carry_ids=carry)]
     ep = dict(ep_size=ep_size, ep_rank=ep_rank)
-    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed, **ep) for i in range(config.num_hidden_layers)]
+    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed, document_token=document_token, **ep)
+              for i in range(config.num_hidden_layers)]
     if mtp:
         specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(MTPLayerPipe, config, seed=seed, **ep)]
     specs.append(LayerSpec(FinalNormPipe, config))
@@ -191,18 +197,21 @@ DEFAULT_PARTITION = "type:DecoderLayerPipe"
 
 
 def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=DEFAULT_PARTITION,
-                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1):
+                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1,
+                   document_token=None):
     """The model as a DeepSpeed PipelineModule (DualPipeVModule for ``dualpipev``).
 
     Only the layers of this rank's stage(s) are built. Call after
-    ``deepspeed.init_distributed()``.
+    ``deepspeed.init_distributed()``. With ``document_token`` (the tokenizer's
+    end-of-document id) attention does not cross the documents packed into a row.
     """
     from ds_ext.pipe import pipeline_module_class
     stages = num_stages if num_stages is not None else topology.get_dim("pipe")
     check_stages(config, stages=stages, schedule=schedule)
     module_cls = pipeline_module_class(schedule)
     ep_rank = expert_parallel_rank(stages=stages, ep_size=expert_parallel_size)
-    specs = layer_specs(config, seed=seed, ep_size=expert_parallel_size, ep_rank=ep_rank)
+    specs = layer_specs(config, seed=seed, ep_size=expert_parallel_size, ep_rank=ep_rank,
+                        document_token=document_token)
     return module_cls(layers=specs, num_stages=num_stages, topology=topology,
                       loss_fn=CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0), partition_method=partition_method,
                       activation_checkpoint_interval=activation_checkpoint_interval,

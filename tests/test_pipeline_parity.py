@@ -1,7 +1,8 @@
 """Pipelined training equals a single-process run of the same model.
 
 DeepSpeed's 1F1B (2 stages: dense, MoE, and 2 replicas with tied embeddings)
-and DeepSpeed's DualPipeV (2 ranks x 2 stages each; tied embeddings; MTP) train the tiny recipe for a few
+and DeepSpeed's DualPipeV (2 ranks x 2 stages each; tied embeddings; MTP; document-bounded attention,
+the token ids travelling along the pipeline) train the tiny recipe for a few
 optimizer steps on fixed data (ZeRO-1, gradient clipping, DeepSpeed's AdamW); losses
 (rtol 1e-6) and updated weights (relative L2 1e-6 per tensor) are compared with a
 single-process reference (same layers, same seeds, torch.optim.AdamW, fp32).
@@ -30,9 +31,13 @@ def _model_config(overrides):
     return deepseek_v3.make_config("tiny", {"num_hidden_layers": 4, **overrides})
 
 
-def _data(*, dp, gas, vocab):
+def _data(*, dp, gas, vocab, document_token=None):
     g = torch.Generator().manual_seed(SEED)
-    return torch.randint(0, vocab, (STEPS, dp, gas, MICRO, SEQ + 1), generator=g)
+    data = torch.randint(0, vocab, (STEPS, dp, gas, MICRO, SEQ + 1), generator=g)
+    if document_token is not None:          # documents of 3 to 9 tokens
+        ends = torch.randint(3, 10, (STEPS, dp, gas, MICRO, SEQ + 1), generator=g)
+        data[(torch.arange(SEQ + 1) % ends) == 0] = document_token
+    return data
 
 
 def _backward_first(forward, backward):
@@ -42,14 +47,15 @@ def _backward_first(forward, backward):
     forward()
 
 
-def _pipeline_rank(schedule, stages, gas, overrides, hook=False):
+def _pipeline_rank(schedule, stages, gas, overrides, hook=False, document_token=None):
     import deepspeed
     from deepspeed import comm as dist
     from recipes import deepseek_v3
     config = _model_config(overrides)
     world = dist.get_world_size()
     dp = world // stages
-    model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=SEED)
+    model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=SEED,
+                                       document_token=document_token)
     if hook:
         model.overlapped_forward_backward = _backward_first
     ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
@@ -58,7 +64,8 @@ def _pipeline_rank(schedule, stages, gas, overrides, hook=False):
                  "zero_optimization": {"stage": 1}}
     from ds_ext.pipe.engine import initialize
     engine = initialize(model=model, config=ds_config, model_parameters=list(model.parameters()), schedule=schedule)
-    data = _data(dp=dp, gas=gas, vocab=config.vocab_size)[:, model._grid.get_data_parallel_id()]
+    data = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=document_token)[
+        :, model._grid.get_data_parallel_id()]
 
     def batches():
         for step in range(STEPS):
@@ -72,16 +79,16 @@ def _pipeline_rank(schedule, stages, gas, overrides, hook=False):
     return {"losses": losses, "state": state if model._grid.get_data_parallel_id() == 0 else {}}
 
 
-def _reference(*, dp, gas, overrides):
+def _reference(*, dp, gas, overrides, document_token=None):
     from recipes import deepseek_v3
     from recipes.layers.pipe import CausalLMLoss, SequentialReference
     torch.set_num_threads(1)
     config = _model_config(overrides)
-    model = SequentialReference(deepseek_v3.layer_specs(config, seed=SEED),
+    model = SequentialReference(deepseek_v3.layer_specs(config, seed=SEED, document_token=document_token),
                                 loss_fn=CausalLMLoss(0.3, mtp=config.num_mtp_layers > 0))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(OPT["betas"]), eps=OPT["eps"],
                             weight_decay=OPT["weight_decay"])
-    data = _data(dp=dp, gas=gas, vocab=config.vocab_size)
+    data = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=document_token)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -108,6 +115,8 @@ CASES = {
     "dualpipev-pp2-mtp": dict(schedule="dualpipev", world=2, stages=2, gas=4, overrides={"num_mtp_layers": 1}),
     "dualpipev-zb-pp2-tied-hook": dict(schedule="dualpipev-zb", world=2, stages=2, gas=4,
                                        overrides={"tie_word_embeddings": True}, hook=True),
+    "dualpipev-zb-pp2-document": dict(schedule="dualpipev-zb", world=2, stages=2, gas=4, overrides={},
+                                      document_token=256),
     "dualpipe-pp2-tied": dict(schedule="dualpipe", world=2, stages=2, gas=4, overrides={"tie_word_embeddings": True}),
     "dualpipe-pp4-dp1": dict(schedule="dualpipe", world=4, stages=4, gas=8, overrides={"num_hidden_layers": 8}),
     "dualpipev-zb-pp4-moe": dict(schedule="dualpipev-zb", world=4, stages=4, gas=8, overrides={
@@ -121,9 +130,11 @@ CASES = {
 def test_pipeline_matches_single_process(case):
     c = CASES[case]
     results = run_ranks(_pipeline_rank, world_size=c["world"], args=(c["schedule"], c["stages"], c["gas"],
-                                                                        c["overrides"], c.get("hook", False)),
+                                                                        c["overrides"], c.get("hook", False),
+                                                                        c.get("document_token")),
                         timeout=240)
-    ref_losses, ref_state = _reference(dp=c["world"] // c["stages"], gas=c["gas"], overrides=c["overrides"])
+    ref_losses, ref_state = _reference(dp=c["world"] // c["stages"], gas=c["gas"], overrides=c["overrides"],
+                                       document_token=c.get("document_token"))
     for r in results:
         np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-6, atol=0)
     merged = {}

@@ -49,7 +49,9 @@ class MLAttention(nn.Module):
         self.scaling = rope.softmax_scale(self.qk_head_dim, c.rope_parameters,
                                           max_position_embeddings=c.max_position_embeddings)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
+        """``mask`` (bool [batch, 1, seq, seq], True where a query may attend a key)
+        replaces the causal mask: document-bounded attention."""
         batch, seq, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -71,5 +73,8 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
 
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_head_dim))

@@ -54,8 +54,26 @@ def layer_seed(base_seed, position):
 
 
 def _split(x):
-    """Layers pass one tensor, or (hidden, extra) when MTP carries a second tensor."""
+    """Layers pass one tensor, or (hidden, extra) when a second tensor travels along:
+    the token ids (MTP before its module, or document-bounded attention) or MTP's
+    hidden states after it."""
     return (x, None) if torch.is_tensor(x) else x
+
+
+def _hidden_only(extra):
+    """The carried tensor if it is hidden states (MTP), None if it is token ids."""
+    return extra if extra is not None and extra.is_floating_point() else None
+
+
+def document_mask(input_ids, document_token):
+    """bool [batch, 1, seq, seq]: position i attends to positions j <= i of its own
+    document; a document ends with (and includes) ``document_token``. Packed rows may
+    start or end inside a document."""
+    ends = (input_ids == document_token).to(torch.int32)
+    doc = torch.cumsum(ends, dim=1) - ends
+    seq = input_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device).tril()
+    return ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def _join(hidden, extra):
@@ -80,9 +98,10 @@ class EmbeddingPipe(nn.Module):
 class DecoderLayerPipe(nn.Module):
     """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
 
-    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0):
+    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.document_token = document_token      # attention stays inside documents (the ids travel along)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = MLAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -92,13 +111,14 @@ class DecoderLayerPipe(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
         seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
 
-    def block(self, hidden):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden))
+    def block(self, hidden, mask=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), mask=mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward(self, x):
         hidden, extra = _split(x)
-        return _join(self.block(hidden), extra)
+        mask = document_mask(extra, self.document_token) if self.document_token is not None else None
+        return _join(self.block(hidden, mask), extra)
 
 
 def mtp_next_embedding(embedding, x):
@@ -153,12 +173,14 @@ class LMHeadPipe(nn.Module):
 
     def forward(self, x):
         hidden, extra = _split(x)
+        extra = _hidden_only(extra)
         return _join(self.lm_head(hidden), None if extra is None else self.lm_head(extra))
 
 
 def tied_lm_head(embedding, x):
     """TiedLayerSpec forward_fn: the head reuses the embedding matrix."""
     hidden, extra = _split(x)
+    extra = _hidden_only(extra)
     weight = embedding.embed_tokens.weight
     return _join(F.linear(hidden, weight), None if extra is None else F.linear(extra, weight))
 
