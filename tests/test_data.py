@@ -4,6 +4,7 @@ end-of-document tokens, per-replica shards, resumable micro-batch order, and the
 errors for empty or unusable data. Single process; about 15 s."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -151,3 +152,26 @@ def test_stdlib_demo_corpus_is_offline_and_cached():
     assert (path.stat().st_ino, path.stat().st_mtime_ns) == stamp      # reused, not rebuilt
     first = json.loads(path.open().readline())
     assert set(first) == {"text", "path"} and first["path"].endswith(".py")
+
+
+def test_hub_source_offline_is_a_one_line_error(tmp_path):
+    """A hub dataset on a machine that cannot reach the hub (and has nothing cached):
+    one line naming the source and the ways out. Offline by the hub's own switches, so
+    the test sends nothing anywhere."""
+    import subprocess
+    import sys
+    code = ("from ds_ext.config import DataSection; from ds_ext.data import load_documents\n"
+            "from ds_ext.errors import DataError\n"
+            "try:\n    load_documents(DataSection(source='hub:seekspeed-test/absent:en'))\n"
+            "except DataError as exc:\n    print(exc)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    line = out.stdout.strip()
+    assert line.startswith("seekspeed.data.source hub:seekspeed-test/absent:en: cannot load it from the Hugging "
+                           "Face hub") and "online" in line and "save_to_disk" in line, (out.stdout, out.stderr[-2000:])
+    assert "\n" not in line
+    from ds_ext.data.sources import hub_name
+    assert hub_name("hub:allenai/c4:en") == ("allenai/c4", "en") and hub_name("hub:wikitext") == ("wikitext", None)
+    with pytest.raises(ConfigError, match="hub:NAME or hub:NAME:CONFIG"):
+        hub_name("hub:")

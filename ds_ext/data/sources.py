@@ -1,5 +1,7 @@
 """Documents from Hugging Face ``datasets``: local text/json/parquet files, a
-directory of them, a ``save_to_disk`` directory, or the offline demo corpus."""
+directory of them, a ``save_to_disk`` directory, a hub dataset (``hub:NAME`` or
+``hub:NAME:CONFIG``, train split; needs the machine online or the dataset in the HF
+cache), or the offline demo corpus."""
 
 import json
 import os
@@ -72,10 +74,42 @@ def _format_of(path, fmt):
     return _EXTENSIONS[path.suffix]
 
 
+HUB_PREFIX = "hub:"
+
+
+def hub_name(source):
+    """(dataset name, config or None) of a ``hub:NAME[:CONFIG]`` source."""
+    name, _, config = source[len(HUB_PREFIX):].partition(":")
+    if not name or name.startswith("/") or " " in name:
+        raise ConfigError(f"seekspeed.data.source {source!r}: write a hub dataset as hub:NAME or hub:NAME:CONFIG, "
+                          f"e.g. hub:allenai/c4:en")
+    return name, config or None
+
+
+def hub_revision(source):
+    """The hub commit a ``hub:`` source resolves to now, or "cached" when the hub cannot
+    be asked (offline): the packed cache is keyed by it, so a dataset updated upstream
+    is packed again rather than mixed with an old cache."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError
+    import datasets
+    name, _ = hub_name(source)
+    if datasets.config.HF_HUB_OFFLINE:
+        return "cached"
+    try:
+        return HfApi().dataset_info(name).sha
+    except (HfHubHTTPError, OSError, ValueError):
+        return "cached"
+
+
 def resolve_source(data):
-    """(format, path) of the configured source; checks it exists without reading it."""
+    """(format, path) of the configured source; checks it exists without reading it.
+    A hub source gives ("hub", "hub:NAME[:CONFIG]") and is checked when it is loaded."""
     if data.source == "stdlib":
         return "json", None
+    if data.source.startswith(HUB_PREFIX):
+        hub_name(data.source)
+        return "hub", data.source
     path = Path(data.source).expanduser()
     if not path.exists():
         raise ConfigError(f"seekspeed.data.source {data.source} does not exist: point it at a local "
@@ -93,7 +127,17 @@ def load_documents(data):
     text_field = data.text_field
     if path is None:
         path, text_field = stdlib_corpus(), "text"
-    if fmt == "saved":
+    if fmt == "hub":
+        name, config = hub_name(path)
+        try:
+            ds = datasets.load_dataset(name, config, split="train")
+        except Exception as exc:    # offline, unknown name, gated, network: whatever the hub client raises
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise DataError(f"seekspeed.data.source {path}: cannot load it from the Hugging Face hub "
+                            f"({type(exc).__name__}: {first}); the machine must be online or hold the dataset in "
+                            f"its HF cache (HF_HOME), or save it with datasets' save_to_disk and point "
+                            f"seekspeed.data.source at that directory") from None
+    elif fmt == "saved":
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:

@@ -44,7 +44,12 @@ def cache_key(data, tokenizer, *, rows_per_shard):
     fmt, path = resolve_source(data)
     if path is None:                               # the demo corpus: its own file
         path = stdlib_corpus()
-    settings = {"version": FORMAT_VERSION, "source": str(Path(path).resolve()), "files": _fingerprint(path),
+    if fmt == "hub":
+        from .sources import hub_revision
+        source, files = path, hub_revision(path)
+    else:
+        source, files = str(Path(path).resolve()), _fingerprint(path)
+    settings = {"version": FORMAT_VERSION, "source": source, "files": files,
                 "format": fmt, "text_field": data.text_field, "max_documents": data.max_documents,
                 "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
                 "row_len": data.seq_len + 1, "rows_per_shard": rows_per_shard}
