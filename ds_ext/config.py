@@ -351,11 +351,15 @@ class RunConfig:
     warnings: list
 
 
+def mixed_precision(ds):
+    """Whether the DeepSpeed config trains in bf16 or fp16."""
+    return bool(ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False))
+
+
 def fp32_grad_accumulation(ds):
     """Whether DeepSpeed accumulates gradients in fp32: fp32 training, or
     ``data_types.grad_accum_dtype: fp32`` under bf16/fp16."""
-    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
-    return not mixed or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+    return not mixed_precision(ds) or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
 
 
 def read_json(path):

@@ -4,15 +4,13 @@ is relative, so a document's place in the row does not matter), dense and MoE; t
 config's refusals. Single process; about 5 s. The pipelined run with the ids
 travelling between stages is in test_pipeline_parity.py."""
 
-import json
-import os
-
 import pytest
 import torch
 
 from ds_ext.errors import ConfigError
 from recipes import deepseek_v3
 from recipes.layers.pipe import SequentialReference, document_mask
+from tests.test_train_e2e import _config
 
 EOS = 256
 
@@ -56,24 +54,17 @@ def test_packed_documents_equal_each_document_alone(preset):
             start += len(doc)
 
 
-def _config_file(tmp_path, **seekspeed):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "ds_configs", "tiny_cpu.json")) as f:
-        cfg = json.load(f)
-    for key, value in seekspeed.items():
-        cfg["seekspeed"][key].update(value)
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
 def test_config_refusals(tmp_path):
     from ds_ext import trainer
     from ds_ext.config import load_config
     with pytest.raises(ConfigError, match="attention 'sliding' is not one of"):
-        load_config(_config_file(tmp_path, data={"attention": "sliding"}), world_size=2)
-    path = _config_file(tmp_path, data={"attention": "document"},
-                        recipe={"overrides": {"num_mtp_layers": 1}})
+        load_config(_config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(attention="sliding")),
+                    world_size=2)
+
+    def document_with_mtp(c):
+        c["seekspeed"]["data"]["attention"] = "document"
+        c["seekspeed"]["recipe"]["overrides"] = {"num_mtp_layers": 1}
+    path = _config(tmp_path, "tiny_cpu.json", document_with_mtp)
     with pytest.raises(ConfigError, match="does not support multi-token prediction"):
         trainer.validate(trainer.parse_args(["--deepspeed", path, "--checkpoint-dir", str(tmp_path / "c")]),
                          world_size=2)

@@ -204,8 +204,7 @@ def _layer_figures(specs, config):
             experts = sum(p.numel() for p in module.parameters() if id(p) in expert_ids)
             cache[key] = (sum(p.numel() for p in module.parameters()), experts, activated_parameters([spec]), matrices)
         params, experts, active, matrices = cache[key]
-        rows.append({"kind": kind, "params": params, "experts": experts, "active": active, "matrices": matrices,
-                     "tied": getattr(spec, "key", None)})
+        rows.append({"kind": kind, "params": params, "experts": experts, "active": active, "matrices": matrices})
     return rows
 
 
@@ -235,9 +234,8 @@ def gradient_bytes(ds):
     under ZeRO-1 runs DeepSpeed's BF16_Optimizer: the bf16 ``param.grad`` stays
     allocated (unless ``bf16.immediate_grad_update``) next to a full fp32 accumulation
     buffer; other bf16/fp16 setups keep low-precision gradients; fp32 keeps fp32."""
-    from ds_ext.config import fp32_grad_accumulation
-    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
-    if not mixed:
+    from ds_ext.config import fp32_grad_accumulation, mixed_precision
+    if not mixed_precision(ds):
         return 4
     if ds.get("bf16", {}).get("enabled", False) and fp32_grad_accumulation(ds):
         return 4 + (0 if ds["bf16"].get("immediate_grad_update", False) else 2)
@@ -248,14 +246,14 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     """The plan for ``config_path`` on ``nodes`` x ``ranks_per_node`` GPUs.
     ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
     from ds_ext.comm.traffic import payload_bytes
-    from ds_ext.config import load_config
+    from ds_ext.config import fp32_grad_accumulation, load_config, mixed_precision
     from ds_ext.pipe import rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
     from ds_ext.topology.placement import choose, rank_of
     from ds_ext.topology.setup import estimate_traffic
     from ds_ext.trainer import _partition_method
     from recipes import get_recipe
-    from recipes.layers.pipe import partition
+    from recipes.layers.pipe import held_once, partition, rank_layers
 
     hw = hardware or Hardware()
     cfg = load_config(config_path, world_size=nodes * ranks_per_node)
@@ -266,10 +264,9 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     ep, dp, pp = s.moe.expert_parallel_size, lay.data_parallel, lay.pipe_stages
     interval = (ds.get("pipeline", {}).get("activation_checkpoint_interval", 0) if checkpoint_interval is None
                 else checkpoint_interval)
-    mixed = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    mixed = mixed_precision(ds)
     a = w_bytes = 2 if mixed else 4
     g_bytes = gradient_bytes(ds)
-    from ds_ext.config import fp32_grad_accumulation
     reduce_bytes = 4 if fp32_grad_accumulation(ds) else 2      # what the data-parallel reduction moves
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     opt_bytes = 8 + (4 if mixed else 0)       # Adam moments, plus fp32 master weights in mixed precision
@@ -280,7 +277,8 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     # a token picks, wherever it lives: from the unsharded build).
     specs = recipe.layer_specs(mc, seed=0, ep_size=ep, ep_rank=0)
     figures = _layer_figures(specs, mc)
-    full = figures if ep == 1 else _layer_figures(recipe.layer_specs(mc, seed=0), mc)
+    full_specs = specs if ep == 1 else recipe.layer_specs(mc, seed=0)
+    full = figures if ep == 1 else _layer_figures(full_specs, mc)
     for row, whole in zip(figures, full):
         row["active"] = whole["active"]
     parts = virtual_stages(s.schedule, pp)
@@ -350,16 +348,9 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     peak_full = _peak_bytes(sim.timeline, [sum(full_bytes(r) for r in rows) for rows in chunks])
     peak_kept = _peak_bytes(sim.timeline, [k for k, _ in kept])
     stages, stage_matrices = [], []
-    for rank in range(pp):
+    for rank, held in enumerate(rank_layers(specs, bounds=bounds, schedule=s.schedule, stages=pp)):
         owned = rank_chunks(s.schedule, rank=rank, stages=pp)
-        rows, seen = [], set()
-        for p in owned:
-            for r in chunks[p]:
-                if r["tied"] is not None and r["tied"] in seen:
-                    continue                                   # a tied matrix is held once per rank
-                if r["tied"] is not None:
-                    seen.add(r["tied"])
-                rows.append(r)
+        rows = [figures[i] for i in held]
         params = sum(r["params"] for r in rows)
         experts = sum(r["experts"] for r in rows)
         shards = (dp, max(dp // ep, 1)) if zero >= 1 else (1, 1)
@@ -415,10 +406,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     dp_seconds = worst["seconds_compressed"] if comm.compressor != "none" else max(g["seconds"] for g in reductions)
     biggest = max(stages, key=lambda st: st.params)
     optimizer_seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
-    first_of = {}
-    for i, r in enumerate(full):
-        first_of.setdefault(r["tied"], i)
-    unique = sum(r["params"] for i, r in enumerate(full) if r["tied"] is None or first_of[r["tied"]] == i)
+    unique = sum(full[i]["params"] for i in held_once(full_specs, range(len(full_specs))))
     notes = []
     if ep > 1:
         notes.append(f"per-rank counts hold {mc.n_routed_experts // ep} of {mc.n_routed_experts} routed experts "

@@ -270,32 +270,38 @@ def activated_parameters(specs):
     return total
 
 
+def held_once(specs, indices):
+    """``indices`` of ``specs`` with each tied layer (a TiedLayerSpec key) kept at its
+    first occurrence only: DeepSpeed holds one copy of a tied matrix per rank."""
+    seen, out = set(), []
+    for idx in indices:
+        key = getattr(specs[idx], "key", None)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(idx)
+    return out
+
+
+def rank_layers(specs, *, bounds, schedule, stages):
+    """Per pipeline rank: the indices of the layer specs it holds (its chunks of the
+    cut at ``bounds``, a tied layer once)."""
+    from ds_ext.pipe import rank_chunks
+    return [held_once(specs, [i for p in rank_chunks(schedule, rank=rank, stages=stages)
+                              for i in range(bounds[p], bounds[p + 1])]) for rank in range(stages)]
+
+
 def stage_parameter_counts(specs, *, stages, schedule, partition_method):
     """Per pipeline rank: its layer ranges and parameter count, without allocating."""
     from ds_ext.pipe import rank_chunks, virtual_stages
-    parts = virtual_stages(schedule, stages)
-    bounds = partition(specs, num_parts=parts, method=partition_method)
+    bounds = partition(specs, num_parts=virtual_stages(schedule, stages), method=partition_method)
     counts = [count_parameters(s) for s in specs]
-    tied_keys = {}
-    for idx, spec in enumerate(specs):
-        if hasattr(spec, "key"):
-            tied_keys.setdefault(spec.key, idx)
-    unique_total = sum(c for i, c in enumerate(counts) if not hasattr(specs[i], "key") or tied_keys[specs[i].key] == i)
-    rows = []
-    for rank in range(stages):
-        owned = rank_chunks(schedule, rank=rank, stages=stages)
-        ranges = [(bounds[p], bounds[p + 1]) for p in owned]
-        seen_keys, params = set(), 0
-        for start, stop in ranges:
-            for idx in range(start, stop):
-                key = getattr(specs[idx], "key", None)
-                if key is not None:
-                    if key in seen_keys:
-                        continue
-                    seen_keys.add(key)
-                params += counts[idx]
-        rows.append({"rank": rank, "layer_ranges": ranges, "params": params, "unique_total": unique_total})
-    return rows
+    unique_total = sum(counts[i] for i in held_once(specs, range(len(specs))))
+    return [{"rank": rank, "layer_ranges": [(bounds[p], bounds[p + 1]) for p in rank_chunks(schedule, rank=rank,
+                                                                                           stages=stages)],
+             "params": sum(counts[i] for i in held), "unique_total": unique_total}
+            for rank, held in enumerate(rank_layers(specs, bounds=bounds, schedule=schedule, stages=stages))]
 
 
 class SequentialReference(nn.Module):
