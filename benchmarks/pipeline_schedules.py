@@ -162,31 +162,87 @@ def _run(fn, args, *, retries, busy_cores):
             return results, other, attempt
 
 
-def _overhead_ms(results, costs, *, async_p2p):
-    """This machine's fixed cost per compute instruction: what a rank spent in the
-    recorded step that is neither the layers' sleeps nor waiting for a peer
-    (dispatch, DeepSpeed's bookkeeping, sleep overshoot; with asynchronous p2p also
-    posting the transfers, which then never wait), divided by its number of compute
-    instructions; the median over ranks. DeepSpeed's own engines block in their
-    communication instructions, which therefore count as waiting."""
+def _vstage(schedule, rank, phase, ranks):
+    """The virtual stage (as the simulator numbers them) of a chunk of ``phase`` on ``rank``."""
+    if schedule == "1f1b":
+        return rank
+    if schedule == "dualpipe":
+        from ds_ext.pipe.dualpipe import direction_and_stage
+        return direction_and_stage(rank, phase, ranks)[1]
+    return rank if phase == 0 else 2 * ranks - 1 - rank
+
+
+def stage_costs(schedule, ranks, costs, per_chunk):
+    """Per-virtual-stage chunk costs (lists F, B, W, Bi) of the costed layers. The
+    model's first layer takes the un-differentiated input, so autograd never runs its
+    activation path: its backward costs W alone, and the first stage's B is B - W less
+    (its input-gradient-only backward, Bi, is B - W less too)."""
+    from ds_ext.pipe.simulate import schedule_ops
     F, B, W = costs
-    per_rank = []
+    stages = schedule_ops(schedule, ranks=ranks, micro_batches=2 * ranks)[1]
+    f = [per_chunk * F] * stages
+    b = [per_chunk * B - ((B - W) if v == 0 else 0.0) for v in range(stages)]
+    w = [per_chunk * W] * stages
+    return f, b, w, [bv - wv for bv, wv in zip(b, w)]
+
+
+def _overheads(results, schedule, ranks, costs, per_chunk, *, async_p2p):
+    """This machine's fixed cost per instruction, from each rank's recorded step:
+    per kind of compute instruction (F, B, Bi: a deferring backward, W, FB), what the
+    instruction took beyond its layers' sleeps and its waits for a peer (dispatch,
+    DeepSpeed's bookkeeping, sleep overshoot), the median over all ranks' instructions
+    of that kind; and ``comm``, the time a rank spends posting transfers (CommitP2P and
+    the send/receive instructions) per compute op, the median over ranks. Only the
+    asynchronous engines have the latter: DeepSpeed's own engines block in their
+    communication instructions, which therefore count as waiting."""
+    f, b, w, bi = stage_costs(schedule, ranks, costs, per_chunk)
+    excess = {"F": [], "B": [], "Bi": [], "W": [], "FB": []}
+    comm_share = []
     for r in results:
-        events, chunk = r["events"], r.get("layers_per_chunk", 1)
-        if not events:
-            continue
-        counted = COMPUTE | ({"CommitP2P", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad"}
-                             if async_p2p else set())
-        total = sum(e - s for n, _, s, e in events if n in counted) * 1e3
-        waits = sum(e - s for n, _, s, e in events if n == "WaitRecv") * 1e3
-        nominal, count = 0.0, 0
-        for name, kwargs, _, _ in events:
-            if name in COMPUTE:
-                count += 1
-                nominal += chunk * {"ForwardPass": F, "BackwardPass": (B - W) if kwargs.get("zb") else B,
-                                    "WeightPass": W, "ForwardBackwardPass": F + B}[name]
-        per_rank.append((total - waits - nominal) / max(count, 1))
-    return statistics.median(per_rank) if per_rank else 0.0
+        events, rank = r["events"], r["stage"]
+        waits = [(s, e) for n, _, s, e in events if n == "WaitRecv"]
+        ops, comm = 0, 0.0
+        for name, kwargs, s, e in events:
+            if name in ("CommitP2P", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad"):
+                comm += (e - s) * 1e3
+            if name not in COMPUTE:
+                continue
+            waited = sum(min(e, we) - max(s, ws) for ws, we in waits if ws < e and we > s)
+            took = (e - s - waited) * 1e3
+            if name == "ForwardPass":
+                kind, nominal = "F", f[_vstage(schedule, rank, kwargs.get("phase", 0), ranks)]
+            elif name == "BackwardPass":
+                v = _vstage(schedule, rank, kwargs.get("phase", 0), ranks)
+                kind, nominal = ("Bi", bi[v]) if kwargs.get("zb") else ("B", b[v])
+            elif name == "WeightPass":
+                kind, nominal = "W", w[0]
+            else:
+                kind = "FB"
+                nominal = (f[_vstage(schedule, rank, kwargs["fwd_phase"], ranks)]
+                           + b[_vstage(schedule, rank, kwargs["bwd_phase"], ranks)])
+            excess[kind].append(took - nominal)
+            ops += 2 if kind == "FB" else 1
+        if ops:
+            comm_share.append(comm / ops if async_p2p else 0.0)
+    out = {k: statistics.median(v) for k, v in excess.items() if v}
+    out["comm"] = statistics.median(comm_share) if comm_share else 0.0
+    counts = {k: len(v) for k, v in excess.items()}
+    out["mean"] = (sum(out.get(k, 0.0) * n for k, n in counts.items()) / max(sum(counts.values()), 1)
+                   + out["comm"])
+    return out
+
+
+def simulate_measured(schedule, ranks, m, costs, per_chunk, overhead, latency):
+    """The simulator on the costed layers' per-stage costs plus the measured fixed cost
+    of each kind of instruction and the gloo latency per transfer."""
+    from ds_ext.pipe.simulate import simulate
+    f, b, w, bi = stage_costs(schedule, ranks, costs, per_chunk)
+    c = overhead.get("comm", 0.0)
+
+    def plus(xs, kind):
+        return [x + overhead.get(kind, 0.0) + c for x in xs]
+    return simulate(schedule, ranks=ranks, micro_batches=m, F=plus(f, "F"), B=plus(b, "B"), W=plus(w, "W"),
+                    Bi=plus(bi, "Bi"), comm=latency)
 
 
 def main():
@@ -226,20 +282,22 @@ def main():
                    "steps_ms": [t * 1e3 for t in results[0]["times"]], "other_cpu_cores": other,
                    "retried": retried}
             if sim_name:
-                sim = simulate(sim_name, ranks=ranks, micro_batches=m, F=c[0], B=c[1], W=c[2])
+                f, b, w, _ = stage_costs(sim_name, ranks, costs, per_chunk)
+                sim = simulate(sim_name, ranks=ranks, micro_batches=m, F=f, B=b, W=w)
                 row["simulated_ms"] = sim.makespan
                 row["ideal_busy_ms"] = max(sim.busy)
                 try:
-                    row["formula_ms"] = max(sim.busy) + formula_bubble(sim_name, ranks=ranks, F=c[0], B=c[1], W=c[2])
+                    uniform = simulate(sim_name, ranks=ranks, micro_batches=m, F=c[0], B=c[1], W=c[2])
+                    row["formula_ms"] = max(uniform.busy) + formula_bubble(sim_name, ranks=ranks, F=c[0], B=c[1],
+                                                                           W=c[2])
                 except ValueError:
                     row["formula_ms"] = None
                 if name in DS_SCHEDULES:
-                    for r in results:
-                        r["layers_per_chunk"] = per_chunk
-                    over = _overhead_ms(results, costs, async_p2p=name in ("dualpipev-zb", "dualpipe"))
-                    row["overhead_ms_per_instruction"] = over
-                    sim2 = simulate(sim_name, ranks=ranks, micro_batches=m, F=c[0] + over, B=c[1] + over,
-                                    W=c[2] + over if c[2] else 0.0, FB=c[0] + c[1] + over, comm=latency)
+                    over = _overheads(results, name, ranks, costs, per_chunk,
+                                      async_p2p=name in ("dualpipev-zb", "dualpipe"))
+                    row["overhead_ms"] = over
+                    row["overhead_ms_per_instruction"] = over["mean"]
+                    sim2 = simulate_measured(name, ranks, m, costs, per_chunk, over, latency)
                     row["simulated_with_overhead_ms"] = sim2.makespan
                     # bubbles against the busy time that includes the per-instruction overhead
                     row["bubble_ms"] = step - max(sim2.busy)

@@ -128,3 +128,27 @@ def test_zero_bubble_beats_dualpipev_and_1f1b_in_the_issue_setting():
     v = simulate("dualpipev", ranks=4, micro_batches=8, F=10, B=20, W=10).makespan
     zb = simulate("dualpipev-zb", ranks=4, micro_batches=8, F=10, B=20, W=10).makespan
     assert (one, v, zb) == (660, 590, 540)
+
+
+def test_input_gradient_cost_can_be_given_apart_from_b_minus_w():
+    """A measured engine adds a fixed cost to every instruction, so a deferring
+    backward (Bi) is not B - W of the measured B and W: Bi given as B - W changes
+    nothing, a dearer Bi lengthens only the schedules that defer W."""
+    base = simulate("dualpipev-zb", ranks=4, micro_batches=8, F=10, B=20, W=10)
+    same = simulate("dualpipev-zb", ranks=4, micro_batches=8, F=10, B=20, W=10, Bi=10)
+    dear = simulate("dualpipev-zb", ranks=4, micro_batches=8, F=10, B=20, W=10, Bi=[11] * 8)
+    assert same.makespan == base.makespan == 540
+    assert dear.makespan > base.makespan
+    plain = simulate("dualpipev", ranks=4, micro_batches=8, F=10, B=20, W=10, Bi=[11] * 8)
+    assert plain.makespan == 590
+
+
+def test_costed_benchmark_first_stage_backward_is_w_only():
+    """benchmarks/costed_layers.py: autograd never runs the first layer's activation
+    path (its input needs no gradient), so the simulator's first stage costs W there."""
+    from benchmarks.pipeline_schedules import stage_costs
+    f, b, w, bi = stage_costs("dualpipev-zb", 4, (10.0, 20.0, 10.0), 1)
+    assert (f[0], b[0], w[0], bi[0]) == (10.0, 10.0, 10.0, 0.0)
+    assert (b[1], bi[1]) == (20.0, 10.0) and len(b) == 8
+    f, b, w, bi = stage_costs("1f1b", 4, (10.0, 20.0, 10.0), 2)
+    assert (b[0], b[3], w[0]) == (30.0, 40.0, 20.0)

@@ -67,10 +67,12 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     def __init__(self, *args, zero_bubble=True, overlap_p2p=True, **kwargs):
         self._zero_bubble = zero_bubble
         self._overlap = overlap_p2p
+        # plain containers, changed in place: an assignment to the engine (an nn.Module)
+        # goes through Module.__setattr__, which costs on every transfer
         self._p2p_keys = []
         self._pending_recv = {}
         self._pending_sends = []
-        self._queue_key = None
+        self._queue_key = [None]       # the receive being queued: ("act"|"grad", buffer)
         super().__init__(*args, **kwargs)
         WeightGradStore.clear()
 
@@ -123,25 +125,25 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     def _queue_p2p(self, op, tensors, stage):
         before = len(self._p2p_ops)
         super()._queue_p2p(op, tensors, stage)
-        self._p2p_keys += [self._queue_key] * (len(self._p2p_ops) - before)
+        self._p2p_keys.extend([self._queue_key[0]] * (len(self._p2p_ops) - before))
 
     def _exec_recv_activations(self, buffer_id, phase):
-        self._queue_key = ("act", buffer_id)
+        self._queue_key[0] = ("act", buffer_id)
         try:
             super()._exec_recv_activations(buffer_id, phase)
         finally:
-            self._queue_key = None
+            self._queue_key[0] = None
 
     def _exec_recv_grads(self, buffer_id, phase):
-        self._queue_key = ("grad", buffer_id)
+        self._queue_key[0] = ("grad", buffer_id)
         try:
             super()._exec_recv_grads(buffer_id, phase)
         finally:
-            self._queue_key = None
+            self._queue_key[0] = None
 
     def _exec_commit_p2p(self):
         if not self._overlap:
-            self._p2p_keys = []
+            self._p2p_keys.clear()
             return super()._exec_commit_p2p()
         if not self._p2p_ops:
             return
@@ -151,7 +153,8 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
                 self._pending_sends.append(work)
             else:
                 self._pending_recv.setdefault(key, []).append(work)
-        self._p2p_ops, self._p2p_keys = [], []
+        self._p2p_ops.clear()
+        self._p2p_keys.clear()
 
     def _send_tensor_meta(self, buffer, recv_stage):
         """DeepSpeed's shape handshake, sent without blocking. Its blocking send
@@ -188,7 +191,8 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
                 work.wait()
         for work in self._pending_sends:
             work.wait()
-        self._pending_recv, self._pending_sends = {}, []
+        self._pending_recv.clear()
+        self._pending_sends.clear()
 
     # -- compute --------------------------------------------------------------------------
 

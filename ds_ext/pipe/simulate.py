@@ -135,12 +135,17 @@ def _zb1p_ops(rank, ranks, micro_batches):
 
 # ---- the simulation -------------------------------------------------------------------
 
-def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
+def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, Bi=None, comm=0.0):
     """Run the schedule's op sequences against the costs; returns a Result. ``F``,
-    ``B`` and ``W`` are one cost for every chunk, or a list with one per virtual stage
-    (unbalanced stages); an F&B chunk then costs its forward's F plus its backward's B."""
+    ``B``, ``W`` (and ``Bi``) are one cost for every chunk, or a list with one per
+    virtual stage (unbalanced stages); an F&B chunk then costs its forward's F plus its
+    backward's B. ``Bi``, the input-gradient-only backward of a deferring chunk, is
+    B - W unless given (a measured engine adds its own fixed cost to each)."""
     def at(cost, stage):
         return cost[stage] if isinstance(cost, (list, tuple)) else cost
+
+    def input_grad(stage):
+        return at(B, stage) - at(W, stage) if Bi is None else at(Bi, stage)
 
     per_rank, num_stages = schedule_ops(schedule, ranks=ranks, micro_batches=micro_batches)
     for v in range(num_stages):
@@ -153,7 +158,7 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
         if op.kind == "B":
             return at(B, op.stage)
         if op.kind == "Bi":
-            return at(B, op.stage) - at(W, op.stage)
+            return input_grad(op.stage)
         if op.kind == "W":
             return at(W, op.stage)
         return FB if FB is not None else at(F, op.stage) + at(B, op.stage2)    # "FB"
@@ -172,7 +177,7 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, comm=0.0):
             if sim.fillers[r]:
                 w = Op("W", sim.w_stages[r][0])
                 if t is None or t >= sim.clock[r] + duration(w):
-                    bound = {"F": at(F, op.stage), "Bi": at(B, op.stage) - at(W, op.stage)}
+                    bound = {"F": at(F, op.stage), "Bi": input_grad(op.stage)}
                     if t is not None or sim.earliest_input(r, op, bound) >= sim.clock[r] + duration(w):
                         sim.run(r, w, start=sim.clock[r], duration=duration(w))
                         progressed = True
