@@ -41,6 +41,7 @@ METHODS = {
     "powersgd-r4-hier": {"compressor": "powersgd", "rank": 4, "hierarchical": True},
     "topk-1%-exact": {"compressor": "topk", "ratio": 0.01, "selection": "exact"},
     "topk-1%": {"compressor": "topk", "ratio": 0.01, "selection": "sampled"},
+    "topk-1%-torch-ops": {"compressor": "topk", "ratio": 0.01, "selection": "sampled", "kernel": "torch"},
     "topk-1%-hier": {"compressor": "topk", "ratio": 0.01, "selection": "sampled", "hierarchical": True},
     "torch-powersgd-hook-r4": "ddp",
 }

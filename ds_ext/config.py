@@ -232,6 +232,8 @@ class CommSection:
     selection: str = "sampled"      # "exact" (torch.topk) or "sampled" (DGC threshold from a sample)
     sample_ratio: float = 0.01
     momentum: float = 0.0           # DGC momentum correction (for SGD without momentum of its own)
+    kernel: str = "auto"            # sampled selection on CPU: "fused" (one C++ pass, built on first use),
+    #                                 "torch" (torch ops, same result), "auto" (fused when it builds)
     # powersgd
     rank: int = 4
     # int8
@@ -257,6 +259,8 @@ class CommSection:
                               f"got {self.ratio}")
         if self.selection not in ("exact", "sampled"):
             raise ConfigError(f"{where}.selection {self.selection!r} is not one of ['exact', 'sampled']")
+        if self.kernel not in ("auto", "fused", "torch"):
+            raise ConfigError(f"{where}.kernel {self.kernel!r} is not one of ['auto', 'fused', 'torch']")
         if not 0 < self.sample_ratio <= 1:
             raise ConfigError(f"{where}.sample_ratio must be in (0, 1], got {self.sample_ratio}")
         if not 0 <= self.momentum < 1:

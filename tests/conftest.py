@@ -15,3 +15,7 @@ def pytest_sessionstart(session):
     os.environ.setdefault("SEEKSPEED_CACHE", os.path.join(cache, "seekspeed"))
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(cache, "hf-datasets"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The fused top-k kernel (ds_ext/comm/csrc) is built on first use, about half a
+    # minute; build it here once, so that no multi-rank test spends its timeout on it.
+    from ds_ext.comm import kernels
+    kernels.topk_select()

@@ -83,11 +83,20 @@ class TopK:
     splittable = True
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
-                 seed=0):
+                 kernel="auto", seed=0):
         self.ratio, self.selection, self.sample_ratio = ratio, selection, sample_ratio
         self.error_feedback, self.momentum = error_feedback, momentum
         self.state = {}
         self.generator = torch.Generator().manual_seed(seed)
+        self.kernel = kernel
+        self._kernel_module = None
+        if kernel != "torch" and selection == "sampled":     # build now, not in the first step's reduction
+            from . import kernels
+            self._kernel_module = kernels.topk_select(required=kernel == "fused")
+
+    def _fused(self, device):
+        """The fused CPU kernel when it applies (sampled selection of CPU tensors)."""
+        return self._kernel_module if device.type == "cpu" else None
 
     def wants(self, shape):
         return True
@@ -95,18 +104,28 @@ class TopK:
     def count(self, numel):
         return max(1, int(math.ceil(numel * self.ratio)))
 
+    def _exact(self, n, k):
+        return self.selection == "exact" or k * 8 >= n
+
+    def _threshold(self, n, magnitude_at):
+        """DGC's threshold: the ``ratio`` quantile of the magnitudes at a random sample
+        of positions (``magnitude_at(positions)``)."""
+        samples = min(n, max(int(n * self.sample_ratio), 64 * int(math.ceil(1 / self.ratio))))
+        pick = torch.randint(n, (samples,), generator=self.generator)
+        return torch.topk(magnitude_at(pick), max(1, int(math.ceil(samples * self.ratio))), sorted=False).values.min()
+
+    @staticmethod
+    def _at_most(idx, magnitude_at, k):
+        return idx[torch.topk(magnitude_at(idx), k, sorted=False).indices] if idx.numel() > k else idx
+
     def select(self, mag, k):
         """Indices of (at most) the k largest of ``mag`` (magnitudes)."""
         n = mag.numel()
-        if self.selection == "exact" or k * 8 >= n:
+        if self._exact(n, k):
             return torch.topk(mag, k, sorted=False).indices
-        samples = min(n, max(int(n * self.sample_ratio), 64 * int(math.ceil(1 / self.ratio))))
-        pick = torch.randint(n, (samples,), generator=self.generator).to(mag.device)
-        threshold = torch.topk(mag[pick], max(1, int(math.ceil(samples * self.ratio))), sorted=False).values.min()
+        threshold = self._threshold(n, lambda pick: mag.index_select(0, pick.to(mag.device)))
         idx = torch.nonzero(mag >= threshold).view(-1)
-        if idx.numel() > k:
-            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
-        return idx
+        return self._at_most(idx, lambda i: mag[i], k)
 
     def _select_per_tensor(self, mag, sizes):
         """Each tensor keeps its own ``ratio`` (per layer, as DGC does), so layers
@@ -125,14 +144,19 @@ class TopK:
         sizes = [v.numel() for v in views]
         k = sum(self.count(n) for n in sizes)
         st = self.state.get(key, {})
-        finite = bool(torch.isfinite(flat.sum()))   # one pass; an overflowing sum is a gradient worth skipping
         payload = torch.zeros(2 * k + 1, device=flat.device)
+        fused, mag = self._fused(flat.device), None
+        if fused is not None:
+            new, acc, idx, finite = self._accumulate_select_fused(fused, flat, st, sizes)
+        else:
+            finite = bool(torch.isfinite(flat.sum()))   # one pass; an overflowing sum is a gradient worth skipping
+            if finite:
+                new = self._accumulate(flat, st)
+                acc = new.get("v", new.get("residual", new.get("u", flat)))
+                mag = st.get("mag")
+                mag = torch.abs(acc, out=mag) if mag is not None else acc.abs()
+                idx = self._select_per_tensor(mag, sizes)
         if finite:
-            new = self._accumulate(flat, st)
-            acc = new.get("v", new.get("residual", new.get("u", flat)))
-            mag = st.get("mag")
-            mag = torch.abs(acc, out=mag) if mag is not None else acc.abs()
-            idx = self._select_per_tensor(mag, sizes)
             payload[:idx.numel()] = acc[idx]
             payload[k:k + idx.numel()] = idx.to(torch.int32).view(torch.float32)
         else:
@@ -151,7 +175,51 @@ class TopK:
                 if name in new:
                     new[name][idx] = 0.0
             spares = {f"spare_{n}": st[n] for n in ("u", "v", "residual") if n in st}
-            self.state[key] = {**new, **spares, "mag": mag}
+            self.state[key] = {**new, **spares, **({"mag": mag} if mag is not None else {})}
+
+    def _accumulate_select_fused(self, fused, flat, st, sizes):
+        """The fused kernel's version of _accumulate and _select_per_tensor, with the
+        same result: the last accumulator (residual = residual + gradient, or with
+        momentum v = v + u) is summed and selected from in one pass per tensor, from a
+        threshold sampled first, so the selection is the one torch ops would make. A
+        NaN always counts as selected and any non-finite value is reported (the torch
+        path sums the chunk for that). Returns (new accumulators, acc, idx, finite)."""
+        new = {}
+        if self.momentum > 0:      # u = gradient + m u, in torch (the multiply-add is torch's to round)
+            u = (torch.add(flat, st["u"], alpha=self.momentum, out=st.get("spare_u")) if "u" in st
+                 else flat.clone())
+            new["u"] = u
+            x, name = u, "v"
+        else:
+            x, name = flat, "residual"
+        y = out = None
+        if self.error_feedback:
+            if name in st:
+                y, out = st[name], st.get(f"spare_{name}")      # no spare yet at the second step
+                out = torch.empty_like(x) if out is None else out
+            else:
+                out = x.clone()      # the first step's accumulator is the input itself
+            new[name] = out
+        acc = out if out is not None else x
+        picks, finite, offset = [], True, 0
+        for n in sizes:
+            part = slice(offset, offset + n)
+            xs, ys, outs = x[part], (y[part] if y is not None else None), (out[part] if y is not None else None)
+            k = self.count(n)
+            if self._exact(n, k):
+                hits, bad = fused.accumulate_select(xs, ys, outs, math.inf)   # sums; reports non-finite
+                sel = torch.topk(acc[part].abs(), k, sorted=False).indices
+            else:
+                def magnitude_at(pick, xs=xs, ys=ys):
+                    sample = xs.index_select(0, pick)
+                    return (ys.index_select(0, pick) + sample if ys is not None else sample).abs()
+                threshold = self._threshold(n, magnitude_at)
+                hits, bad = fused.accumulate_select(xs, ys, outs, float(threshold))
+                sel = self._at_most(hits, lambda i: acc[part][i].abs(), k)
+            finite = finite and not bad
+            picks.append(sel + offset)
+            offset += n
+        return new, acc, torch.cat(picks), finite
 
     def _accumulate(self, flat, st):
         """This step's accumulators, {} when there are none (no error feedback, no momentum)."""
@@ -313,6 +381,7 @@ def make_compressor(section, *, seed=0):
         return Int8(block_size=section.block_size, error_feedback=section.error_feedback)
     if name == "topk":
         return TopK(ratio=section.ratio, selection=section.selection, sample_ratio=section.sample_ratio,
+                    kernel=section.kernel,
                     error_feedback=section.error_feedback, momentum=section.momentum, seed=seed)
     if name == "powersgd":
         return PowerSGD(rank=section.rank, error_feedback=section.error_feedback, seed=seed)

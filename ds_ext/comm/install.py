@@ -138,5 +138,19 @@ def install(engine, section, *, node_of=None, log=print):
                  f"group" if node_groups is not None else "flat")
         log(f"comm: data-parallel gradients through {section.compressor} ({shape}, chunks of {section.chunk_mb:g} MB, "
             f"{section.pipeline_depth} in flight, dense under {section.min_numel} elements"
-            + (f", dense for the first {section.warmup_steps} steps" if section.warmup_steps else "") + ")")
+            + (f", dense for the first {section.warmup_steps} steps" if section.warmup_steps else "")
+            + _kernel_note(reducer.compressor) + ")")
     return reducer
+
+
+def _kernel_note(compressor):
+    """Which top-k selection code runs, for the install log line."""
+    from ds_ext.comm.compressors import TopK
+    if not isinstance(compressor, TopK) or compressor.selection != "sampled":
+        return ""
+    if compressor._kernel_module is not None:
+        return ", top-k selection in the fused C++ kernel on CPU"
+    if compressor.kernel == "torch":
+        return ", top-k selection in torch ops"
+    return ", top-k selection in torch ops (the fused kernel did not build: no C++ compiler?)"
+
