@@ -5,6 +5,9 @@ The activation path sleeps F in forward and B - W in backward; a separate weight
 path, which only the layer's parameter feeds, sleeps W in backward. A zero-bubble
 schedule can therefore defer exactly W: seekspeed's engines through WeightGradStore,
 torch.distributed.pipelining by its input/weight backward split.
+
+The model's first layer gets an input that needs no gradient, so autograd never runs
+its activation path: its backward costs W alone (the benchmark simulates it so).
 """
 
 import time

@@ -4,9 +4,10 @@ distort it) and with the real tiny recipe; torch.distributed.pipelining's
 ScheduleDualPipeV and ScheduleZBVZeroBubble run the same costed stages as peers.
 
 Per configuration: the median step time (barrier to barrier, warm-up steps skipped),
-the formula's ideal, the simulator's prediction for the same costs, and the same
-prediction with the per-instruction overhead this machine showed in a recorded step
-(each compute instruction's measured duration minus its sleep). Runs during which
+the formula's ideal (uniform costs), the simulator's prediction for the costed
+layers' real per-stage costs, and the same prediction with the fixed cost this
+machine added to each kind of instruction in a recorded step (its duration beyond its
+layers' sleeps and its waits for a peer). Runs during which
 other processes used more than --busy-cores cores are repeated (up to --retries).
 
     python benchmarks/pipeline_schedules.py --micro-batches 8 16 --json bench_out/pipeline.json
