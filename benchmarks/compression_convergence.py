@@ -25,6 +25,8 @@ RUNS = {
     "topk-1%-ef": {"compressor": "topk", "ratio": 0.01, "error_feedback": True},
     "topk-1%-no-ef": {"compressor": "topk", "ratio": 0.01, "error_feedback": False},
     "powersgd-r4-ef": {"compressor": "powersgd", "rank": 4, "error_feedback": True},
+    "powersgd-r4-no-ef": {"compressor": "powersgd", "rank": 4, "error_feedback": False},
+    "powersgd-r8-ef": {"compressor": "powersgd", "rank": 8, "error_feedback": True},
     "int8-ef": {"compressor": "int8", "error_feedback": True},
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
@@ -94,7 +96,8 @@ def main(argv=None):
     p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
                    help="config: the config's AdamW; sgd: SGD with momentum 0.9 (DGC's setting)")
     p.add_argument("--lr", type=float, help="learning rate (default: the config's; required with sgd)")
-    p.add_argument("--runs", nargs="+", default=[r for r in RUNS if r != "topk-1%-dgc"], choices=list(RUNS))
+    p.add_argument("--runs", nargs="+", default=["none", "topk-1%-ef", "topk-1%-no-ef", "powersgd-r4-ef", "int8-ef"],
+                   choices=list(RUNS))
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.optimizer == "sgd" and args.lr is None:
