@@ -69,8 +69,9 @@ def _grads(rank, shapes, seed=0):
 SHAPES = [(96, 64), (300,), (64, 128), (5000,)]
 
 
-def _reduce_rank(section_kw, steps=1, hierarchical_nodes=0, seed=0):
-    """Each rank reduces its own random gradients; returns every step's results."""
+def _reduce_rank(section_kw, steps=1, hierarchical_nodes=0, seed=0, poison_step=None):
+    """Each rank reduces its own random gradients; returns every step's results. At
+    ``poison_step`` rank 1's first gradient holds a NaN (the step is to be skipped)."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     from ds_ext.topology.groups import NodeGroups
@@ -84,6 +85,8 @@ def _reduce_rank(section_kw, steps=1, hierarchical_nodes=0, seed=0):
     out = []
     for step in range(steps):
         grads = _grads(rank, SHAPES, seed=seed + step)
+        if step == poison_step and rank == 1:
+            grads[0][3, 5] = float("nan")
         reducer.begin_step()
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         stats = reducer.end_step()
@@ -152,15 +155,16 @@ FUSED_VARIANTS = [{}, {"momentum": 0.9}, {"error_feedback": False}, {"momentum":
 def _variants_rank(kernel):
     base = {"compressor": "topk", "ratio": 0.01, "selection": "sampled", "min_numel": 1000, "chunk_mb": 0.02,
             "kernel": kernel}
-    return [_reduce_rank({**base, **extra}, 4) for extra in FUSED_VARIANTS]
+    return [_reduce_rank({**base, **extra}, 5, poison_step=2) for extra in FUSED_VARIANTS]
 
 
 @pytest.mark.multirank
 def test_fused_topk_kernel_equals_torch_ops_bitwise():
     """The one-pass C++ accumulate-and-select (ds_ext/comm/csrc) against the same
-    selection in torch ops, over 4 steps (residuals and momentum carried), with tensors
-    cut across chunks, with and without error feedback and momentum: the same
-    gradients, bit for bit."""
+    selection in torch ops, over 5 steps (residuals and momentum carried) of which the
+    third has a NaN (skipped: state and sampling left as they were), with tensors cut
+    across chunks, with and without error feedback and momentum: the same gradients,
+    bit for bit."""
     fused = run_ranks(_variants_rank, world_size=2, args=("fused",))
     plain = run_ranks(_variants_rank, world_size=2, args=("torch",))
     for rank_a, rank_b in zip(fused, plain):
@@ -170,6 +174,34 @@ def test_fused_topk_kernel_equals_torch_ops_bitwise():
                     np.testing.assert_array_equal(ga, gb, err_msg=str(extra))
     # and it is a real sparse reduction: most entries of the large tensors are zero
     assert (fused[0][0][0]["grads"][0] == 0).mean() > 0.9
+    # the poisoned step: the NaN's chunk (5,242 of the first tensor's 6,144 entries) is NaN on
+    # every rank; the step after it is finite again
+    for r in fused:
+        assert np.isnan(r[0][2]["grads"][0].ravel()[:5242]).all()
+        assert np.isfinite(r[0][3]["grads"][0]).all()
+
+
+def test_fused_selection_equals_torch_ops_over_many_blocks_and_threads():
+    """Single process, 2 threads: tensors spanning several of the kernel's 64K-entry
+    blocks and one small enough for the exact branch, against the torch path."""
+    from ds_ext.comm.compressors import TopK
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sizes = [8, 200_000, 70_000]
+        g = torch.Generator().manual_seed(0)
+        flat = torch.randn(sum(sizes), generator=g)
+        residual = 0.1 * torch.randn(sum(sizes), generator=g)
+        fused, plain = TopK(ratio=0.01, kernel="fused"), TopK(ratio=0.01, kernel="torch")
+        st = {"residual": residual, "spare_residual": torch.empty_like(residual)}
+        new, acc, idx, finite = fused._accumulate_select_fused(fused._fused(flat.device), flat, st, sizes)
+        want = plain._accumulate(flat, {"residual": residual, "spare_residual": torch.empty_like(residual)})
+        assert finite and torch.equal(acc, want["residual"]) and new["residual"] is acc
+        assert torch.equal(idx, plain._select_per_tensor(want["residual"].abs(), sizes))
+        k = sum(fused.count(n) for n in sizes)
+        assert 0.5 * k <= idx.numel() <= k
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _error_feedback_rank(name, error_feedback):
@@ -243,6 +275,8 @@ def test_non_finite_gradient_reaches_every_rank(name):
     results = run_ranks(_poisoned_rank, world_size=2, args=(name,))
     for r in results:
         assert not np.isfinite(r["first"]).all()
+        if name.startswith("topk"):         # the whole compressed region, not only the NaN sent
+            assert np.isnan(r["first"]).all()
         assert r["second_finite"]
 
 

@@ -67,6 +67,15 @@ class Dense:
             flat.mul_(scale)
 
 
+def _cpu_accelerator():
+    """Whether DeepSpeed runs on its CPU accelerator (where gradients are CPU tensors)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        return get_accelerator().device_name() == "cpu"
+    except Exception:            # no DeepSpeed: torch alone, build when a CPU gradient comes
+        return False
+
+
 class TopK:
     """Keep ``ratio`` of each tensor's entries, the largest in magnitude; the sparse
     all-reduce is an all-gather of (value, index) pairs summed locally.
@@ -90,13 +99,23 @@ class TopK:
         self.generator = torch.Generator().manual_seed(seed)
         self.kernel = kernel
         self._kernel_module = None
-        if kernel != "torch" and selection == "sampled":     # build now, not in the first step's reduction
-            from . import kernels
-            self._kernel_module = kernels.topk_select(required=kernel == "fused")
+        if self.uses_kernel() and _cpu_accelerator():     # build now, not in the first step's reduction
+            self._load_kernel()
+
+    def uses_kernel(self):
+        """Whether CPU gradients go through the fused kernel (when it builds)."""
+        return self.kernel != "torch" and self.selection == "sampled"
+
+    def _load_kernel(self):
+        from . import kernels
+        self._kernel_module = kernels.topk_select(required=self.kernel == "fused")
+        return self._kernel_module
 
     def _fused(self, device):
         """The fused CPU kernel when it applies (sampled selection of CPU tensors)."""
-        return self._kernel_module if device.type == "cpu" else None
+        if device.type != "cpu" or not self.uses_kernel():
+            return None
+        return self._kernel_module if self._kernel_module is not None else self._load_kernel()
 
     def wants(self, shape):
         return True
@@ -185,6 +204,9 @@ class TopK:
         NaN always counts as selected and any non-finite value is reported (the torch
         path sums the chunk for that). Returns (new accumulators, acc, idx, finite)."""
         new = {}
+        # a skipped step must not move the sampling generator either, or the selections
+        # after it would no longer be the torch path's
+        generator_state = self.generator.get_state()
         if self.momentum > 0:      # u = gradient + m u, in torch (the multiply-add is torch's to round)
             u = (torch.add(flat, st["u"], alpha=self.momentum, out=st.get("spare_u")) if "u" in st
                  else flat.clone())
@@ -201,25 +223,27 @@ class TopK:
                 out = x.clone()      # the first step's accumulator is the input itself
             new[name] = out
         acc = out if out is not None else x
-        picks, finite, offset = [], True, 0
+        picks, offset = [], 0
         for n in sizes:
             part = slice(offset, offset + n)
             xs, ys, outs = x[part], (y[part] if y is not None else None), (out[part] if y is not None else None)
             k = self.count(n)
             if self._exact(n, k):
-                hits, bad = fused.accumulate_select(xs, ys, outs, math.inf)   # sums; reports non-finite
-                sel = torch.topk(acc[part].abs(), k, sorted=False).indices
+                _, bad = fused.accumulate_select(xs, ys, outs, math.inf)   # sums; reports non-finite
+                sel = None if bad else torch.topk(acc[part].abs(), k, sorted=False).indices
             else:
                 def magnitude_at(pick, xs=xs, ys=ys):
                     sample = xs.index_select(0, pick)
                     return (ys.index_select(0, pick) + sample if ys is not None else sample).abs()
                 threshold = self._threshold(n, magnitude_at)
                 hits, bad = fused.accumulate_select(xs, ys, outs, float(threshold))
-                sel = self._at_most(hits, lambda i: acc[part][i].abs(), k)
-            finite = finite and not bad
+                sel = None if bad else self._at_most(hits, lambda i: acc[part][i].abs(), k)
+            if bad:              # the step is skipped: no need to select from the rest
+                self.generator.set_state(generator_state)
+                return new, acc, None, False
             picks.append(sel + offset)
             offset += n
-        return new, acc, torch.cat(picks), finite
+        return new, acc, torch.cat(picks), True
 
     def _accumulate(self, flat, st):
         """This step's accumulators, {} when there are none (no error feedback, no momentum)."""

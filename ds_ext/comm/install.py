@@ -145,12 +145,15 @@ def install(engine, section, *, node_of=None, log=print):
 
 def _kernel_note(compressor):
     """Which top-k selection code runs, for the install log line."""
+    from ds_ext.comm import kernels
     from ds_ext.comm.compressors import TopK
     if not isinstance(compressor, TopK) or compressor.selection != "sampled":
         return ""
+    if not compressor.uses_kernel():
+        return ", top-k selection in torch ops"
     if compressor._kernel_module is not None:
         return ", top-k selection in the fused C++ kernel on CPU"
-    if compressor.kernel == "torch":
-        return ", top-k selection in torch ops"
-    return ", top-k selection in torch ops (the fused kernel did not build: no C++ compiler?)"
-
+    error = kernels.build_error()
+    if error:
+        return f", top-k selection in torch ops (the fused kernel did not build: {error})"
+    return ", top-k selection in torch ops (the fused kernel is for CPU gradients)"

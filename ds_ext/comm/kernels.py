@@ -1,33 +1,51 @@
 """seekspeed's C++ kernels, built on first use with torch.utils.cpp_extension (as
 DeepSpeed builds its own ops: about half a minute, cached under TORCH_EXTENSIONS_DIR,
-by default ~/.cache/torch_extensions).
+by default ~/.cache/torch_extensions, in a directory named after the source's hash,
+so checkouts with different sources do not share a build).
 
 ``topk_select()``: the fused accumulate-and-select pass of sampled top-k on CPU
-(csrc/topk_select.cpp). None when it cannot be built (no compiler): the caller then
-uses torch ops, which give the same result in more passes over memory.
+(csrc/topk_select.cpp), multithreaded with OpenMP through at::parallel_for. None when
+it cannot be built (no C++ compiler, no ninja): the caller then uses torch ops, which
+give the same result in more passes over memory.
 """
 
+import hashlib
 import os
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _built = {}
 
 
+def _source_name(path, stem):
+    with open(path, "rb") as f:
+        return f"{stem}_{hashlib.sha256(f.read()).hexdigest()[:12]}"
+
+
 def topk_select(*, required=False):
     """The kernel module, or None when it cannot be built (``required``: raise instead)."""
     if "topk_select" not in _built:
+        source = os.path.join(_CSRC, "topk_select.cpp")
         try:
             from torch.utils.cpp_extension import load
-            _built["topk_select"] = load(name="seekspeed_topk_select",
-                                         sources=[os.path.join(_CSRC, "topk_select.cpp")],
-                                         extra_cflags=["-O3"], verbose=False)
-        except Exception as exc:        # a missing compiler or headers: torch ops do the same work
+            _built["topk_select"] = load(name=_source_name(source, "seekspeed_topk_select"), sources=[source],
+                                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                         verbose=False)
+        except Exception as exc:        # no compiler, headers or ninja: torch ops do the same work
             _built["topk_select"] = exc
     module = _built["topk_select"]
     if isinstance(module, Exception):
         if required:
             first = str(module).strip().splitlines()[0] if str(module).strip() else type(module).__name__
             raise RuntimeError(f"the fused top-k kernel (ds_ext/comm/csrc/topk_select.cpp) did not build: {first}; "
-                               f"install a C++ compiler, or set seekspeed.comm.kernel to \"torch\"")
+                               f"install a C++ compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
         return None
     return module
+
+
+def build_error():
+    """Why the top-k kernel did not build (one line), or None."""
+    module = _built.get("topk_select")
+    if isinstance(module, Exception):
+        text = str(module).strip()
+        return text.splitlines()[0] if text else type(module).__name__
+    return None

@@ -24,11 +24,17 @@ std::tuple<torch::Tensor, bool> accumulate_select(const torch::Tensor& x, const 
   float* op = nullptr;
   if (y.has_value()) {
     TORCH_CHECK(out.has_value(), "accumulate_select: y needs out");
-    TORCH_CHECK(y->numel() == n && y->is_contiguous() && y->scalar_type() == torch::kFloat32, "bad y");
-    TORCH_CHECK(out->numel() == n && out->is_contiguous() && out->scalar_type() == torch::kFloat32, "bad out");
+    for (const torch::Tensor* t : {&y.value(), &out.value()}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                      t->dim() == 1 && t->numel() == n,
+                  "accumulate_select: y and out must be contiguous 1-D fp32 CPU tensors the size of x");
+    }
+    TORCH_CHECK(out->data_ptr() != x.data_ptr() && out->data_ptr() != y->data_ptr(),
+                "accumulate_select: out must not alias x or y");
     yp = y->data_ptr<float>();
     op = out->data_ptr<float>();
   }
+  TORCH_CHECK(y.has_value() || !out.has_value(), "accumulate_select: out is written only with y");
   const float t = static_cast<float>(threshold);
   const int64_t grain = 1 << 16;
   const int64_t blocks = (n + grain - 1) / grain;
