@@ -165,12 +165,8 @@ def _run(fn, args, *, retries, busy_cores):
 
 def _vstage(schedule, rank, phase, ranks):
     """The virtual stage (as the simulator numbers them) of a chunk of ``phase`` on ``rank``."""
-    if schedule == "1f1b":
-        return rank
-    if schedule == "dualpipe":
-        from ds_ext.pipe.dualpipe import direction_and_stage
-        return direction_and_stage(rank, phase, ranks)[1]
-    return rank if phase == 0 else 2 * ranks - 1 - rank
+    from ds_ext.pipe import rank_chunks
+    return rank_chunks(schedule, rank=rank, stages=ranks)[phase]
 
 
 def stage_costs(schedule, ranks, costs, per_chunk):
@@ -178,9 +174,9 @@ def stage_costs(schedule, ranks, costs, per_chunk):
     model's first layer takes the un-differentiated input, so autograd never runs its
     activation path: its backward costs W alone, and the first stage's B is B - W less
     (its input-gradient-only backward, Bi, is B - W less too)."""
-    from ds_ext.pipe.simulate import schedule_ops
+    from ds_ext.pipe import virtual_stages
     F, B, W = costs
-    stages = schedule_ops(schedule, ranks=ranks, micro_batches=2 * ranks)[1]
+    stages = virtual_stages(schedule, ranks)
     f = [per_chunk * F] * stages
     b = [per_chunk * B - ((B - W) if v == 0 else 0.0) for v in range(stages)]
     w = [per_chunk * W] * stages

@@ -32,14 +32,13 @@ def topk_select(*, required=False):
                                          verbose=False)
         except Exception as exc:        # no compiler, headers or ninja: torch ops do the same work
             _built["topk_select"] = exc
-    module = _built["topk_select"]
-    if isinstance(module, Exception):
+    error = build_error()
+    if error is not None:
         if required:
-            first = str(module).strip().splitlines()[0] if str(module).strip() else type(module).__name__
-            raise RuntimeError(f"the fused top-k kernel (ds_ext/comm/csrc/topk_select.cpp) did not build: {first}; "
+            raise RuntimeError(f"the fused top-k kernel (ds_ext/comm/csrc/topk_select.cpp) did not build: {error}; "
                                f"install a C++ compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
         return None
-    return module
+    return _built["topk_select"]
 
 
 def build_error():

@@ -67,12 +67,10 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     def __init__(self, *args, zero_bubble=True, overlap_p2p=True, **kwargs):
         self._zero_bubble = zero_bubble
         self._overlap = overlap_p2p
-        # plain containers, changed in place: an assignment to the engine (an nn.Module)
-        # goes through Module.__setattr__, which costs on every transfer
         self._p2p_keys = []
         self._pending_recv = {}
         self._pending_sends = []
-        self._queue_key = [None]       # the receive being queued: ("act"|"grad", buffer)
+        self._queue_key = None         # the receive being queued: ("act"|"grad", buffer)
         super().__init__(*args, **kwargs)
         WeightGradStore.clear()
 
@@ -125,21 +123,21 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     def _queue_p2p(self, op, tensors, stage):
         before = len(self._p2p_ops)
         super()._queue_p2p(op, tensors, stage)
-        self._p2p_keys.extend([self._queue_key[0]] * (len(self._p2p_ops) - before))
+        self._p2p_keys.extend([self._queue_key] * (len(self._p2p_ops) - before))
 
     def _exec_recv_activations(self, buffer_id, phase):
-        self._queue_key[0] = ("act", buffer_id)
+        self._queue_key = ("act", buffer_id)
         try:
             super()._exec_recv_activations(buffer_id, phase)
         finally:
-            self._queue_key[0] = None
+            self._queue_key = None
 
     def _exec_recv_grads(self, buffer_id, phase):
-        self._queue_key[0] = ("grad", buffer_id)
+        self._queue_key = ("grad", buffer_id)
         try:
             super()._exec_recv_grads(buffer_id, phase)
         finally:
-            self._queue_key[0] = None
+            self._queue_key = None
 
     def _exec_commit_p2p(self):
         if not self._overlap:

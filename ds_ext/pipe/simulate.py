@@ -273,9 +273,9 @@ class _Simulation:
         if op.kind == "FB":
             self.bwd_done[(self._direction(rank, op.stage2, op.direction), op.stage2, op.mb2)] = op.end
             self.live[rank] -= 1
-        if op.kind == "W":
+        if op.kind == "W":          # its stage was set from w_stages when it was placed
             (self.deferred[rank] or self.fillers[rank]).pop(0)
-            op.stage = self.w_stages[rank].pop(0)
+            self.w_stages[rank].pop(0)
         self.peak[rank] = max(self.peak[rank], self.live[rank])
         self.timeline[rank].append(op)
 
