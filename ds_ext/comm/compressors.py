@@ -332,14 +332,18 @@ class PowerSGD:
         if len(shape) < 2:
             return False
         rows, cols = shape[0], math.prod(shape[1:])
-        return (rows + cols) * self.rank * 2 <= rows * cols
+        return (rows + cols) * self.rank * 2 < rows * cols       # torch's hook: compression rate above 2
 
     def _q(self, key, cols, device):
         st = self.state.get(key)
         if st is not None and "q" in st:
-            return st["q"]
-        g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
-        return torch.randn(cols, self.rank, generator=g).to(device)
+            q = st["q"]
+        else:
+            g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
+            q = torch.randn(cols, self.rank, generator=g).to(device)
+        # orthonormal, as torch's hook keeps it: the summed Q of the last step has columns
+        # of very different lengths (M's singular values), and M Q would lose the weak ones
+        return _orthonormalise(q)
 
     def exchange(self, key, region, views, group, scale=1.0):
         # M = gradient + last step's error, formed in the gradient's own buffer (the
