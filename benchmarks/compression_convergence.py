@@ -56,6 +56,8 @@ def run_one(name, comm, args, tmp):
         cfg["optimizer"]["params"]["lr"] = args.lr
     s = cfg["seekspeed"]
     s["data"]["seq_len"] = args.seq_len
+    if args.seed is not None:
+        s["train"]["seed"] = args.seed
     s["train"]["log_interval"] = max(1, args.steps // 5)
     s["comm"] = {**comm, "warmup_steps": args.warmup, "min_numel": args.min_numel}
     path = os.path.join(tmp, f"{name}.json")
@@ -96,6 +98,7 @@ def main(argv=None):
     p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
                    help="config: the config's AdamW; sgd: SGD with momentum 0.9 (DGC's setting)")
     p.add_argument("--lr", type=float, help="learning rate (default: the config's; required with sgd)")
+    p.add_argument("--seed", type=int, help="training seed: weights and data order (default: the config's)")
     p.add_argument("--runs", nargs="+", default=["none", "topk-1%-ef", "topk-1%-no-ef", "powersgd-r4-ef", "int8-ef"],
                    choices=list(RUNS))
     p.add_argument("--json")

@@ -242,6 +242,10 @@ class CommSection:
     error_feedback: bool = True
     warmup_steps: int = 0           # dense optimizer steps before compressing
     min_numel: int = 16384          # smaller tensors go dense
+    # parameter-name patterns (fnmatch) reduced dense whatever the compressor; unset: the
+    # compressor's own list (powersgd: the embedding and output head, whose gradients are
+    # sums over tokens and not low-rank; the others: none)
+    dense_params: list[str] | None = None
     # arrangement
     chunk_mb: float = 16.0          # fp32 MB of gradient per chunk; chunks are pipelined
     pipeline_depth: int = 2         # chunks in flight
@@ -275,6 +279,10 @@ class CommSection:
                 raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
         if self.chunk_mb <= 0:
             raise ConfigError(f"{where}.chunk_mb must be positive, got {self.chunk_mb}")
+        for pattern in self.dense_params or ():
+            if not pattern.strip():
+                raise ConfigError(f"{where}.dense_params holds an empty pattern; give parameter-name patterns such "
+                                  f"as '*embed_tokens.weight', or [] to compress every parameter")
         if self.pipeline_depth < 1:
             raise ConfigError(f"{where}.pipeline_depth must be >= 1, got {self.pipeline_depth}")
 

@@ -27,6 +27,8 @@ def _section(**kw):
     ({"pipeline_depth": 0}, r"seekspeed.comm.pipeline_depth must be >= 1"),
     ({"kernel": "cuda"}, r"seekspeed.comm.kernel 'cuda' is not one of \['auto', 'fused', 'torch'\]"),
     ({"ratio_": 0.1}, r"seekspeed.comm"),
+    ({"dense_params": "*embed*"}, r"seekspeed.comm.dense_params: expected list of str \| null, got '\*embed\*'"),
+    ({"dense_params": [" "]}, r"seekspeed.comm.dense_params holds an empty pattern"),
 ])
 def test_bad_comm_section_is_one_line_error(raw, match):
     from ds_ext.config import SeekspeedSection

@@ -47,7 +47,11 @@ def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, pois
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     reducer = engine.grad_reducer
-    return {"losses": losses, "state": state, "skipped": engine.skipped_steps,
+    # what a compressor that wants whole matrices should see: this stage's 2-D parameters
+    # by name, with their sizes
+    matrices = {name: p.numel() for name, p in engine.module.named_parameters() if p.dim() == 2}
+    return {"losses": losses, "state": state, "skipped": engine.skipped_steps, "matrices": matrices,
+            "compressed_numel": 0 if reducer is None else reducer.last.compressed_numel,
             "calls": [] if reducer is None else [list(map(str, c)) for c in reducer.last.calls],
             "steps_reduced": 0 if reducer is None else reducer.steps,
             "collectives": 0 if reducer is None else reducer.last.collectives}
@@ -95,6 +99,29 @@ def test_topk_trains_under_dualpipev_zb_with_pipeline_and_data_parallel():
         # lossy, so not equal, but the same training: losses within a few percent
         np.testing.assert_allclose(r["ours"]["losses"], r["ds"]["losses"], rtol=0.05)
         assert any(not np.array_equal(r["ours"]["state"][k], v) for k, v in r["ds"]["state"].items())
+
+
+def _powersgd_engine(case, dense_params):
+    kw = dict(CASES[case], steps=1)
+    comm = {"compressor": "powersgd", "rank": 2, "min_numel": 256}
+    if dense_params is not None:
+        comm["dense_params"] = dense_params
+    return _run(comm, **kw)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["zero0-bf16", "zero0-fp32", "zero1-fp32"])
+def test_powersgd_sees_matrices_and_leaves_embedding_and_head_dense(case):
+    """PowerSGD gets each weight matrix whole, also from DeepSpeed's BF16_Optimizer
+    (which reduces one flat buffer per parameter group); by default the embedding and
+    output head go dense, and ``dense_params: []`` compresses them too."""
+    default = run_ranks(_powersgd_engine, world_size=2, args=(case, None), timeout=240)[0]
+    every = run_ranks(_powersgd_engine, world_size=2, args=(case, []), timeout=240)[0]
+    matrices = default["matrices"]
+    heads = {n for n in matrices if n.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    assert len(heads) == 2, sorted(matrices)
+    assert default["compressed_numel"] == sum(v for n, v in matrices.items() if n not in heads)
+    assert every["compressed_numel"] == sum(matrices.values())
 
 
 @pytest.mark.multirank

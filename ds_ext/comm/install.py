@@ -16,6 +16,7 @@ where DeepSpeed reduces data-parallel gradients at the accumulation boundary:
   partitions and copies out as usual.
 """
 
+import fnmatch
 import functools
 
 import torch.distributed as tdist
@@ -42,30 +43,45 @@ def _local_predivide(opt, tensor, communication_data_type):
     return tensor
 
 
-def _zero_gradients(opt):
-    """What DeepSpeedZeroOptimizer will reduce: (non-expert grads, {group name: grads})."""
+def _grouped(pairs, dense_params):
+    """(param, grad) pairs -> (non-expert grads, {expert group name: grads}, ids of the
+    grads whose parameter is in ``dense_params``)."""
     from deepspeed.moe.utils import is_moe_param
-    non_expert, expert = [], {}
-    for group in opt.bit16_groups:
-        for param in group:
-            grad = opt.get_gradient_for_reduction(param)
-            if grad is None or param.numel() == 0:
-                continue
-            if is_moe_param(param):
-                expert.setdefault(param.group_name, []).append(grad)
-            else:
-                non_expert.append(grad)
-    return non_expert, expert
+    non_expert, expert, dense = [], {}, set()
+    for param, grad in pairs:
+        if is_moe_param(param):
+            expert.setdefault(param.group_name, []).append(grad)
+        else:
+            non_expert.append(grad)
+        if id(param) in dense_params:
+            dense.add(id(grad))
+    return non_expert, expert, dense
+
+
+def _zero_gradients(opt, dense_params):
+    """What DeepSpeedZeroOptimizer will reduce, grouped by ``_grouped``."""
+    pairs = ((param, opt.get_gradient_for_reduction(param)) for group in opt.bit16_groups for param in group)
+    return _grouped(((p, g) for p, g in pairs if g is not None and p.numel()), dense_params)
+
+
+def _bf16_gradients(opt, dense_params):
+    """What DeepSpeed's BF16_Optimizer reduces, a flat fp32 buffer per parameter group,
+    as the views of each parameter inside it (a compressor that works on matrices needs
+    their shapes; the alignment padding after them stays zero on every rank)."""
+    pairs = ((lp, grad.view(lp.shape)) for params, grads in zip(opt.bf16_groups, opt.fp32_groups_gradients)
+             for lp, grad in zip(params, grads))
+    return _grouped(((p, g) for p, g in pairs if p.numel()), dense_params)
 
 
 class CompressedReduction:
     grad_reducer = None
+    comm_dense_params = frozenset()    # ids of the parameters reduced dense by name
 
-    def _compressed_reduce(self, non_expert, expert, *, average=True):
+    def _compressed_reduce(self, non_expert, expert, dense, *, average=True):
         from deepspeed.utils import groups
         reducer = self.grad_reducer
         reducer.begin_step()
-        at = dict(micro_step=self.micro_steps, boundary=self.is_gradient_accumulation_boundary())
+        at = dict(micro_step=self.micro_steps, boundary=self.is_gradient_accumulation_boundary(), dense=dense)
         dp_group = self.mpu.get_data_parallel_group()
         reducer.reduce(list(non_expert), group=dp_group, key="dense", **at,
                        divide_by=tdist.get_world_size(dp_group) if average else 1)
@@ -76,16 +92,29 @@ class CompressedReduction:
                                hierarchical=False, divide_by=dp_world if average else 1, **at)
         reducer.end_step()
 
+    def _dense_by_storage(self, non_expert, expert):
+        """Ids of the gradients (from DeepSpeed's list, ``param.grad.data``, a new
+        tensor object each time) that belong to the dense-by-name parameters."""
+        ptrs = {p.grad.data_ptr() for p in self.module.parameters()
+                if id(p) in self.comm_dense_params and p.grad is not None and p.numel()}
+        grads = [*non_expert, *(g for gs in expert.values() for g in gs)]
+        return {id(g) for g in grads if hasattr(g, "data_ptr") and g.data_ptr() in ptrs}
+
     def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
         if self.grad_reducer is None:
             return super().buffered_allreduce_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
+        opt = self.optimizer
         if grads is not None:
-            non_expert, expert = grads, {}
-        elif hasattr(self.optimizer, "get_grads_for_reduction"):
-            non_expert, expert = self.optimizer.get_grads_for_reduction()
+            non_expert, expert, dense = grads, {}, set()
+        elif hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_gradients"):
+            non_expert, expert, dense = _bf16_gradients(opt, self.comm_dense_params)
+        elif hasattr(opt, "get_grads_for_reduction"):
+            non_expert, expert = opt.get_grads_for_reduction()
+            dense = set()
         else:
             non_expert, expert = self._get_gradients_for_reduction()
-        self._compressed_reduce(non_expert, expert)
+            dense = self._dense_by_storage(non_expert, expert)
+        self._compressed_reduce(non_expert, expert, dense)
 
     def allreduce_gradients(self, bucket_size=MEMORY_OPT_ALLREDUCE_SIZE):
         zero1 = (self.grad_reducer is not None and self.zero_optimization_stage() == 1
@@ -93,8 +122,8 @@ class CompressedReduction:
         if not zero1 or not self.is_gradient_accumulation_boundary():
             return super().allreduce_gradients(bucket_size=bucket_size)
         opt = self.optimizer
-        non_expert, expert = _zero_gradients(opt)
-        self._compressed_reduce(non_expert, expert, average=False)
+        non_expert, expert, dense = _zero_gradients(opt, self.comm_dense_params)
+        self._compressed_reduce(non_expert, expert, dense, average=False)
         opt.allreduce_bucket = functools.partial(_local_allreduce_bucket, opt)
         opt.gradient_reduction_w_predivide = functools.partial(_local_predivide, opt)
         try:
@@ -133,14 +162,30 @@ def install(engine, section, *, node_of=None, log=print):
     reducer = GradientReducer(section, node_groups=node_groups, spans_nodes=spans, node_of=node_of,
                               seed=0)
     engine.grad_reducer = reducer
+    patterns = section.dense_params
+    if patterns is None:
+        patterns = getattr(reducer.compressor, "default_dense_params", ())
+    named = [(name, p) for name, p in engine.module.named_parameters()
+             if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+    engine.comm_dense_params = frozenset(id(p) for _, p in named)
     if tdist.get_rank() == 0:
         shape = (f"hierarchical: {node_groups.num_nodes} node(s) x {node_groups.local_size} rank(s) per data-parallel "
                  f"group" if node_groups is not None else "flat")
         log(f"comm: data-parallel gradients through {section.compressor} ({shape}, chunks of {section.chunk_mb:g} MB, "
             f"{section.pipeline_depth} in flight, dense under {section.min_numel} elements"
             + (f", dense for the first {section.warmup_steps} steps" if section.warmup_steps else "")
+            + _dense_note(patterns, named)
             + _kernel_note(reducer.compressor) + ")")
     return reducer
+
+
+def _dense_note(patterns, named):
+    """Which parameters go dense by name (on rank 0's stage), for the install log line."""
+    if not patterns:
+        return ""
+    names = ", ".join(name for name, _ in named[:4]) + (", ..." if len(named) > 4 else "")
+    return (f", dense by name ({' '.join(patterns)}): {len(named)} parameter(s) of this stage"
+            + (f" ({names})" if named else ""))
 
 
 def _kernel_note(compressor):

@@ -3,8 +3,8 @@
 ``GradientReducer.reduce(grads, group=..., divide_by=..., key=...)`` replaces one
 data-parallel all-reduce of a list of gradients (averaging them in place):
 
-- tensors under ``min_numel`` elements, and those the compressor declines (vectors
-  for PowerSGD), go dense in one fp32 all-reduce;
+- tensors under ``min_numel`` elements, those the compressor declines (vectors for
+  PowerSGD) and those named dense by the caller go dense in one fp32 all-reduce;
 - the rest is flattened and cut into chunks of ``chunk_mb`` (PowerSGD, which needs
   whole matrices: whole tensors grouped up to that size; top-k selects per tensor, or
   per piece of a tensor cut at a chunk boundary); each chunk is a compressor generator, and up to
@@ -96,14 +96,17 @@ class GradientReducer:
 
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
-    def reduce(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True):
+    def reduce(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True,
+               dense=()):
         """Average ``grads`` (a list of tensors) over ``group`` in place: the sum over
-        its ranks times 1 / ``divide_by``."""
+        its ranks times 1 / ``divide_by``. ``dense``: ids of tensors in ``grads`` to send
+        uncompressed (``seekspeed.comm.dense_params``)."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
         comp = self.dense if self.warming_up else self.compressor
         grads = [g for g in grads if g.numel()]
-        big = [g for g in grads if g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
+        big = [g for g in grads
+               if id(g) not in dense and g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
         chosen = {id(g) for g in big}
         small = [g for g in grads if id(g) not in chosen]
         tasks, buffers = [], []
