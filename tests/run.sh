@@ -6,4 +6,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/setup_env.sh"
 ensure_venv
 cd "$SEEKSPEED_ROOT"
-exec python -m pytest -ra "$@"
+exec python -m pytest -ra --durations=25 "$@"
