@@ -101,12 +101,11 @@ def test_topk_trains_under_dualpipev_zb_with_pipeline_and_data_parallel():
         assert any(not np.array_equal(r["ours"]["state"][k], v) for k, v in r["ds"]["state"].items())
 
 
-def _powersgd_engine(case, dense_params):
+def _powersgd_engines(case):
+    """One step with PowerSGD's default dense list, one with every parameter compressed."""
     kw = dict(CASES[case], steps=1)
     comm = {"compressor": "powersgd", "rank": 2, "min_numel": 256}
-    if dense_params is not None:
-        comm["dense_params"] = dense_params
-    return _run(comm, **kw)
+    return _run(comm, **kw), _run({**comm, "dense_params": []}, **kw)
 
 
 @pytest.mark.multirank
@@ -115,8 +114,7 @@ def test_powersgd_sees_matrices_and_leaves_embedding_and_head_dense(case):
     """PowerSGD gets each weight matrix whole, also from DeepSpeed's BF16_Optimizer
     (which reduces one flat buffer per parameter group); by default the embedding and
     output head go dense, and ``dense_params: []`` compresses them too."""
-    default = run_ranks(_powersgd_engine, world_size=2, args=(case, None), timeout=240)[0]
-    every = run_ranks(_powersgd_engine, world_size=2, args=(case, []), timeout=240)[0]
+    default, every = run_ranks(_powersgd_engines, world_size=2, args=(case,), timeout=240)[0]
     matrices = default["matrices"]
     heads = {n for n in matrices if n.endswith(("embed_tokens.weight", "lm_head.weight"))}
     assert len(heads) == 2, sorted(matrices)
