@@ -278,12 +278,13 @@ def _against_torch_powersgd_hook(steps, warmup):
                              use_error_feedback=True, warm_start=True)
     reducer = GradientReducer(_section(compressor="powersgd", rank=4, min_numel=1, warmup_steps=warmup))
     comp = reducer.compressor
+    big = [p for p in params if p.dim() == 2]     # our reducer's compressed views, in this order
 
     def hook(st, bucket):
         if st.iter == st.start_powerSGD_iter and bucket.index() not in st.q_memory_dict:
             # the hook's order: shapes grouped in order of first appearance; Q (cols x rank) each
             mats = [g.view(g.shape[0], -1) for g in bucket.gradients()]
-            mats = [m for m in mats if (m.shape[0] + m.shape[1]) * 4 * 2 < m.numel()]
+            mats = [m for m in mats if comp.wants(tuple(m.shape))]
             by_shape = {}
             for m in mats:
                 by_shape.setdefault(tuple(m.shape), []).append(m)
@@ -297,7 +298,6 @@ def _against_torch_powersgd_hook(steps, warmup):
         return ps.powerSGD_hook(st, bucket)
 
     ddp.register_comm_hook(state, hook)
-    big = [p for p in params if p.dim() == 2]
     worst = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)

@@ -346,7 +346,7 @@ class PowerSGD:
             g = torch.Generator().manual_seed(self.seed + zlib.crc32(repr(key).encode()))
             q = torch.randn(cols, self.rank, generator=g).to(device)
         # orthonormal, as torch's hook keeps it: the summed Q of the last step has columns
-        # of very different lengths (M's singular values), and M Q would lose the weak ones
+        # of very different lengths (M's singular values); the same span, better conditioned
         return _orthonormalise(q)
 
     def exchange(self, key, region, views, group, scale=1.0):
