@@ -1,18 +1,28 @@
 """Expert parallelism: the tiny-moe model trained for a few optimizer steps with
-expert-parallel degree 1 and 2 (4 ranks = 2 stages x 2 data-parallel, ZeRO-1, 1F1B)
-gives the same losses and the same weights; with degree 2 each routed expert exists
-on exactly one rank of each expert-parallel group, DeepSpeed sees the experts as its
-own (MoE param groups, expert-data-parallel gradient groups), and a degree that does
-not divide the data-parallel size or the experts is refused. Multi-rank; about 40 s."""
+expert-parallel degree 1 and 2 (4 ranks = 2 stages x 2 data-parallel, ZeRO-1, 1F1B,
+AdamW, clipping) gives bitwise the same losses, gradient norms and weights; with degree
+2 each routed expert exists on exactly one rank of each expert-parallel group,
+DeepSpeed sees the experts as its own (MoE param groups, expert-data-parallel gradient
+groups), and a degree that does not divide the data-parallel size or the experts is
+refused. Multi-rank; about 40 s.
+
+Why bitwise holds on every CPU: with degree 2 each (source rank, expert) segment of the
+received tokens is its own matrix multiply, the one the source rank runs with degree 1
+(recipes/layers/moe.py), so forward and backward do the same arithmetic on the same
+shapes; the expert weight gradient is then the sum of the two ranks' parts, added by
+autograd with degree 2 and by the data-parallel reduction with degree 1, a sum of two
+terms, which commutes. With several micro-batches per step that would no longer hold:
+degree 1 adds a rank's micro-batches first and then the ranks, degree 2 the ranks inside
+each micro-batch (the same sum, associated differently); so each step is one micro-batch
+per replica, and there are more steps."""
 
 import numpy as np
 import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.numerics import assert_weights_close
 
-STEPS, SEQ, MICRO, GAS, SEED = 3, 32, 2, 2, 5
+STEPS, SEQ, MICRO, GAS, SEED = 4, 32, 2, 1, 5
 
 
 def _ep_rank(ep):
@@ -33,7 +43,10 @@ def _ep_rank(ep):
     g = torch.Generator().manual_seed(SEED)
     data = torch.randint(0, config.vocab_size, (STEPS, 2, GAS, MICRO, SEQ + 1), generator=g)[:, dp]
     it = ((data[s, m, :, :-1], data[s, m, :, 1:]) for s in range(STEPS) for m in range(GAS))
-    losses = [engine.train_batch(it).item() for _ in range(STEPS)]
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(it).item())
+        norms.append(float(engine.get_global_grad_norm()))
     experts = {}
     moe_layers = [(n, m) for n, m in engine.module.named_modules() if isinstance(m, DeepSeekMoE)]
     for name, layer in moe_layers:
@@ -42,7 +55,7 @@ def _ep_rank(ep):
                                                                           for p in expert.parameters()])
     dense = {n: p.detach().clone() for n, p in engine.module.named_parameters() if "deepspeed_moe" not in n}
     name = f"ep_size_{ep}"
-    return {"losses": losses, "stage": grid.get_stage_id(), "dp": dp, "experts": experts, "dense": dense,
+    return {"losses": losses, "norms": norms, "stage": grid.get_stage_id(), "dp": dp, "experts": experts, "dense": dense,
             "has_moe": engine.has_moe_layers, "ep_rank": groups._get_expert_parallel_rank(name),
             "edp_size": groups._get_expert_data_parallel_world_size(name),
             "moe_groups": sum(1 for g in engine.optimizer.optimizer.param_groups if g.get("moe")),
@@ -54,7 +67,8 @@ def test_expert_parallel_degree_two_equals_one():
     one = run_ranks(_ep_rank, world_size=4, args=(1,), timeout=300)
     two = run_ranks(_ep_rank, world_size=4, args=(2,), timeout=300)
     for a, b in zip(one, two):
-        np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-6, atol=0)
+        assert b["losses"] == a["losses"] and b["norms"] == a["norms"]
+    assert all(n > 1.0 for n in one[0]["norms"])          # clipping at 1.0 acted on every step
     assert all(r["has_moe"] and r["moe_groups"] >= 1 for r in one + two)
     # each expert on exactly one rank of each expert-parallel group (same stage, same replica set)
     for stage in (0, 1):
@@ -72,7 +86,9 @@ def test_expert_parallel_degree_two_equals_one():
     for r in one:
         ref.update(r["experts"])
         ref.update({f"{r['stage']}/{k}": v for k, v in r["dense"].items()})
-    assert_weights_close(got, ref)
+    assert set(got) == set(ref)
+    for name, want in ref.items():
+        assert np.array_equal(got[name], want), name
 
 
 def test_degree_must_divide_data_parallel_and_experts(tmp_path):

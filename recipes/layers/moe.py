@@ -227,18 +227,30 @@ class DeepSeekMoE(_moe_base()):
             send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
             recv_splits = counts.sum(1).tolist()
             received = _AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)
-        local_expert = torch.cat([torch.repeat_interleave(torch.arange(self.num_local_experts, device=x.device), row)
-                                  for row in counts])
-        outputs = torch.zeros_like(received)
-        for j, expert in enumerate(self.experts):
-            # an expert no token chose still runs (on zero rows): every expert then has a
-            # gradient, zeros or not, so all ranks reduce the same buckets
-            rows = (local_expert == j).nonzero().flatten()
-            outputs = outputs.index_copy(0, rows, expert(received[rows]).to(outputs.dtype))
+        outputs = self._run_experts(received, counts.tolist())
         if self.ep_size > 1:
             outputs = _AllToAll.apply(outputs, send_splits, recv_splits, self.ep_group)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token_of, (outputs * scale).to(x.dtype))
+
+    def _run_experts(self, received, counts):
+        """The routed experts on ``received``: rows grouped by source rank, then by local
+        expert (``counts[source][expert]`` rows each, contiguous). Each (source, expert)
+        segment is its own matrix multiply, the one the source rank would run on its own
+        tokens with expert parallelism off: the same shapes, so the same arithmetic on
+        every expert-parallel degree; only the weight-gradient sum over sources differs
+        (a sum of two terms for degree 2, which commutes)."""
+        pieces, ran = [], set()
+        start = 0
+        for source in counts:
+            for j, n in enumerate(source):
+                if n or j not in ran:
+                    # an expert no token chose still runs (on zero rows): every expert then
+                    # has a gradient, zeros or not, so all ranks reduce the same buckets
+                    pieces.append(self.experts[j](received[start:start + n]).to(received.dtype))
+                    ran.add(j)
+                start += n
+        return torch.cat(pieces)
 
 
 def routers(module):
