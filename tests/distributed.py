@@ -8,6 +8,11 @@ and the tail of its output.
 ``fn`` must be importable (a module-level function). It runs after
 ``deepspeed.init_distributed('gloo')`` unless ``init_dist=False``; what it returns
 (tensors become numpy arrays) comes back as ``results[rank]``.
+
+Each rank computes on ``SEEKSPEED_TEST_THREADS`` threads (default 1), as do the
+single-process references that call ``compute_threads()``: running the suite again with 2
+(and ``ATEN_CPU_CAPABILITY=avx2``) changes the kernels' blocking and reduction order,
+which a comparison that holds only by the luck of one CPU's kernels does not survive.
 """
 
 import multiprocessing as mp
@@ -21,6 +26,11 @@ import traceback
 
 class RankFailure(AssertionError):
     pass
+
+
+def compute_threads():
+    """The thread count tests compute with (``SEEKSPEED_TEST_THREADS``, default 1)."""
+    return int(os.environ.get("SEEKSPEED_TEST_THREADS", "1"))
 
 
 def free_port():
@@ -46,10 +56,10 @@ def _worker(fn, rank, world_size, port, args, results, log_path, extra_env, init
     os.dup2(fd, 2)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(extra_env or {})})
+                       "OMP_NUM_THREADS": str(compute_threads()), "DS_ACCELERATOR": "cpu", **(extra_env or {})})
     try:
         import torch
-        torch.set_num_threads(1)
+        torch.set_num_threads(compute_threads())
         if init_dist:
             from ds_ext.distributed import init_distributed
             init_distributed("gloo")

@@ -1,17 +1,55 @@
-"""Comparing trained weights between two runs of the same model."""
+"""Bounds for comparing two runs that do the same arithmetic up to the order of their
+sums.
+
+Two runs of the same model whose only difference is the order in which they add the
+same terms (gradients of micro-batches, replicas, stage copies, tied layers; the
+shards of an all-reduce) are not bitwise equal, but each differs from the exact sum
+by at most ``gamma(k - 1) * sum(|terms|)`` elementwise, for any order of ``k`` terms
+(Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 4.4: recursive
+summation; every summation tree of k terms has k - 1 roundings). Multiplying by a
+power of two is exact. These bounds follow from fp32's unit roundoff and the number of
+terms alone, so they hold on every CPU whatever its kernels; a test that uses them
+says which terms it counts.
+"""
 
 import numpy as np
 
+UNIT_ROUNDOFF = {np.dtype("float32"): 2.0**-24, np.dtype("float64"): 2.0**-53}
 
-def assert_weights_close(got, ref, *, rel_l2=1e-6, max_abs=1e-5):
-    """Per tensor: relative L2 difference <= ``rel_l2`` and no entry off by more than
-    ``max_abs``. (Adam divides by sqrt(v), so fp32 roundoff in a near-zero gradient
-    entry can move that one weight by a small fraction of lr; the L2 bound shows the
-    tensor as a whole is the same.)"""
-    assert set(got) == set(ref), sorted(set(got) ^ set(ref))
-    rel = {k: float(np.linalg.norm(np.asarray(got[k]) - np.asarray(v)) / max(float(np.linalg.norm(v)), 1e-30))
-           for k, v in ref.items()}
-    worst = max(rel, key=rel.get)
-    assert rel[worst] <= rel_l2, f"{worst}: relative L2 weight difference {rel[worst]:.3e}"
-    diff = max(float(np.max(np.abs(np.asarray(got[k]) - np.asarray(v)))) for k, v in ref.items())
-    assert diff <= max_abs, f"largest weight difference {diff:.3e}"
+
+def gamma(n, dtype=np.float32):
+    """gamma_n = n u / (1 - n u): the relative error bound of n roundings."""
+    u = UNIT_ROUNDOFF[np.dtype(dtype)]
+    assert n * u < 0.5, n
+    return n * u / (1 - n * u)
+
+
+def sum_error_bound(abs_sum, num_terms, dtype=np.float32):
+    """Elementwise bound on |fl(sum) - sum| for ``num_terms`` terms whose absolute
+    values sum to ``abs_sum``, added in any order in ``dtype``."""
+    return gamma(max(num_terms - 1, 0), dtype) * np.asarray(abs_sum, dtype=np.float64)
+
+
+def assert_within(got, want, bound, *, what):
+    """|got - want| <= bound elementwise; the message names the worst element and how
+    far over (or under) its bound it is."""
+    got, want, bound = (np.asarray(x, dtype=np.float64) for x in (got, want, bound))
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = np.abs(got - want)
+    over = err - bound
+    i = int(np.argmax(over))
+    assert over.flat[i] <= 0, (f"{what}: element {np.unravel_index(i, got.shape)} differs by {err.flat[i]:.3e}, "
+                               f"its derived bound is {bound.flat[i]:.3e} (got {got.flat[i]!r}, want {want.flat[i]!r})")
+    return float(np.max(err / np.maximum(bound, 1e-300))) if err.size else 0.0
+
+
+def assert_sum_close(got, terms, *, divide_by=1, what="sum"):
+    """``got`` is ``sum(terms) / divide_by`` (``divide_by`` a power of two, so exact) up
+    to the order of the additions: within ``sum_error_bound`` of the exact sum, which is
+    taken in float64 (its own error, k * 2^-53 of the absolute sum, is added)."""
+    assert divide_by & (divide_by - 1) == 0, f"divide_by {divide_by} is not a power of two"
+    stack = np.stack([np.asarray(t, dtype=np.float64) for t in terms])
+    exact = stack.sum(axis=0) / divide_by
+    abs_sum = np.abs(stack).sum(axis=0) / divide_by
+    bound = sum_error_bound(abs_sum, len(terms)) + sum_error_bound(abs_sum, len(terms) + 1, np.float64)
+    return assert_within(got, exact, bound, what=what)

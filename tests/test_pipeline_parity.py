@@ -1,29 +1,44 @@
-"""Pipelined training equals a single-process run of the same model.
+"""Pipelined training computes the single-process model's gradients, step after step.
 
-DeepSpeed's 1F1B (2 stages: dense, MoE, and 2 replicas with tied embeddings)
-and DeepSpeed's DualPipeV (2 ranks x 2 stages each; tied embeddings; MTP; document-bounded attention,
-the token ids travelling along the pipeline) train the tiny recipe for a few
-optimizer steps on fixed data (ZeRO-1, gradient clipping, DeepSpeed's AdamW); losses
-(rtol 1e-6) and updated weights (relative L2 1e-6 per tensor) are compared with a
-single-process reference (same layers, same seeds, torch.optim.AdamW, fp32).
+DeepSpeed's 1F1B (2 stages: dense, MoE, and 2 replicas with tied embeddings), DeepSpeed's
+DualPipeV (2 ranks x 2 stages each; tied embeddings; MTP), this repository's zero-bubble
+DualPipeV (an F&B hook that runs backward first; document-bounded attention with the token
+ids travelling along; MoE on 4 ranks) and its bidirectional DualPipe (2 and 4 ranks) train
+the tiny recipe for a few optimizer steps on fixed data, ZeRO-1, gradient clipping at 1.0
+and DeepSpeed's AdamW.
+
+At every step a single-process reference starts from the pipelined run's own weights
+(teacher forcing: a difference in one step never compounds into the next), runs each
+micro-batch of each replica alone, every occurrence of a tied layer as its own module, and
+checks:
+- the step's loss, the gradient norm DeepSpeed clipped with, and the gradient DeepSpeed's
+  optimizer received (reduced over micro-batches, replicas, tied layers and stage copies,
+  then clipped; read from ZeRO's fp32 partitions), against bounds derived from fp32's unit
+  roundoff (tests/numerics.py, and _gradient_bound below): the pipelined run adds the same
+  per-micro-batch gradients in another order, which no tolerance tuned on one CPU stands in
+  for;
+- bitwise: the first step's weights equal the reference model's (same seeds), and every
+  rank holding a copy of a tensor (tied layers, stage copies, replicas) holds the same bits.
 Multi-rank (2-4 gloo ranks); about 15 s per case on 2 cores.
 """
+
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.numerics import assert_weights_close
+from tests.distributed import run_ranks, compute_threads
+from tests.numerics import UNIT_ROUNDOFF, assert_within, gamma
 
 STEPS = 3
 SEQ = 32
 MICRO = 2
 LR = 1e-3
 SEED = 7
-# eps 1e-6: Adam turns roundoff-sized gradients (1e-12) into lr-sized steps of random sign;
-# a larger eps keeps the comparison about the schedules, not about that amplification
+CLIP = 1.0
 OPT = {"lr": LR, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+U32 = UNIT_ROUNDOFF[np.dtype("float32")]
 
 
 def _model_config(overrides):
@@ -47,62 +62,166 @@ def _backward_first(forward, backward):
     forward()
 
 
+def _capture_optimizer_gradients(engine):
+    """Record, at each ZeRO-1 optimizer step, the (reduced, clipped) fp32 gradient of every
+    parameter fragment this rank updates: {name: [(start in the flat parameter, values)]}.
+    ZeRO's link between a parameter and its slice of the fp32 partition (``_hp_mapping``)
+    says which elements the rank holds."""
+    zero = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    captured = {}
+    step = zero._optimizer_step
+
+    def capture_then_step(group_no):
+        flat = zero.single_partition_of_fp32_groups[group_no]
+        for p in zero.bit16_groups[group_no]:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:
+                hp = mapping.get_hp_fragment_address()
+                captured.setdefault(names[id(p)], []).append(
+                    (mapping.lp_fragment_address.start, flat.grad.narrow(0, hp.start, hp.numel).clone()))
+        step(group_no)
+
+    zero._optimizer_step = capture_then_step
+    return captured
+
+
 def _pipeline_rank(schedule, stages, gas, overrides, hook=False, document_token=None):
-    import deepspeed
+    import deepspeed  # noqa: F401  (the engine's imports)
     from deepspeed import comm as dist
     from recipes import deepseek_v3
+    from ds_ext.pipe.engine import initialize
     config = _model_config(overrides)
-    world = dist.get_world_size()
-    dp = world // stages
+    dp = dist.get_world_size() // stages
     model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=SEED,
                                        document_token=document_token)
     if hook:
         model.overlapped_forward_backward = _backward_first
     ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-                 "gradient_clipping": 1.0, "steps_per_print": 10**6,
+                 "gradient_clipping": CLIP, "steps_per_print": 10**6,
                  "optimizer": {"type": "AdamW", "params": OPT},
                  "zero_optimization": {"stage": 1}}
-    from ds_ext.pipe.engine import initialize
     engine = initialize(model=model, config=ds_config, model_parameters=list(model.parameters()), schedule=schedule)
+    captured = _capture_optimizer_gradients(engine)
     data = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=document_token)[
         :, model._grid.get_data_parallel_id()]
-
-    def batches():
-        for step in range(STEPS):
-            for m in range(gas):
-                rows = data[step, m]
-                yield rows[:, :-1], rows[:, 1:]
-
-    it = batches()
-    losses = [engine.train_batch(it).item() for _ in range(STEPS)]
-    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    return {"losses": losses, "state": state if model._grid.get_data_parallel_id() == 0 else {}}
+    it = ((data[step, m, :, :-1], data[step, m, :, 1:]) for step in range(STEPS) for m in range(gas))
+    steps = []
+    for _ in range(STEPS):
+        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        captured.clear()
+        loss = engine.train_batch(it).item()
+        steps.append({"weights": weights, "loss": loss, "norm": float(engine.get_global_grad_norm()),
+                      "grads": {k: list(v) for k, v in captured.items()}})
+    return steps
 
 
-def _reference(*, dp, gas, overrides, document_token=None):
-    from recipes import deepseek_v3
-    from recipes.layers.pipe import CausalLMLoss, SequentialReference
-    torch.set_num_threads(1)
-    config = _model_config(overrides)
-    model = SequentialReference(deepseek_v3.layer_specs(config, seed=SEED, document_token=document_token),
-                                loss_fn=CausalLMLoss(0.3, mtp=config.num_mtp_layers > 0))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(OPT["betas"]), eps=OPT["eps"],
-                            weight_decay=OPT["weight_decay"])
-    data = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=document_token)
+class _PerOccurrence(torch.nn.Module):
+    """The model of ``specs`` in one process, every occurrence of a tied layer its own
+    module (loaded with the same weights), so the gradient each occurrence contributes
+    stays apart; state-dict keys are a PipelineModule's."""
+
+    def __init__(self, specs):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        self.prefixes, self.fns = [], []
+        for idx, spec in enumerate(specs):
+            key = getattr(spec, "key", None)
+            self.layers.append(spec.build())
+            self.prefixes.append(f"tied_modules.{key}." if key is not None else f"{idx}.")
+            self.fns.append(getattr(spec, "forward_fn", None) if key is not None else None)
+
+    def load(self, state):
+        for prefix, module in zip(self.prefixes, self.layers):
+            module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def occurrences(self):
+        """{pipeline parameter name: [the parameter in each occurrence]}."""
+        out = {}
+        for prefix, module in zip(self.prefixes, self.layers):
+            for name, p in module.named_parameters():
+                out.setdefault(prefix + name, []).append(p)
+        return out
+
+    def forward(self, x):
+        for module, fn in zip(self.layers, self.fns):
+            x = module(x) if fn is None else fn(module, x)
+        return x
+
+
+def _reference_step(model, loss_fn, weights, rows, *, dp, gas):
+    """From ``weights``: every (replica, micro-batch, occurrence) gradient of the loss
+    scaled by 1 / gas as DeepSpeed scales it, as float64 terms; and the micro-batch losses."""
+    model.load(weights)
+    occurrences = model.occurrences()
+    terms = {name: [] for name in occurrences}
     losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(dp):
-            for m in range(gas):
-                rows = data[step, r, m]
-                loss = model.loss_fn(model(rows[:, :-1]), rows[:, 1:]) / (dp * gas)
-                loss.backward()
-                total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(total)
-    return losses, {k: v.numpy() for k, v in model.state_dict().items()}
+    for r in range(dp):
+        for m in range(gas):
+            model.zero_grad(set_to_none=True)
+            batch = rows[r, m]
+            loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+            (loss / gas).backward()
+            losses.append(loss.item())
+            for name, params in occurrences.items():
+                terms[name] += [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double()
+                                for p in params]
+    return terms, losses
+
+
+def _assemble(results, step, shapes):
+    """The full gradient of every parameter from every rank's fragments; ranks holding the
+    same elements (tied layers, stage copies) must agree bitwise."""
+    full = {k: np.zeros(math.prod(s), dtype=np.float32) for k, s in shapes.items()}
+    seen = {k: np.zeros(math.prod(s), dtype=bool) for k, s in shapes.items()}
+    for rank, r in enumerate(results):
+        for name, pieces in r[step]["grads"].items():
+            for start, values in pieces:
+                sl = slice(start, start + values.size)
+                both = seen[name][sl]
+                assert np.array_equal(full[name][sl][both], values[both]), \
+                    f"step {step + 1}: rank {rank}'s gradient of {name} differs from another holder's"
+                full[name][sl], seen[name][sl] = values, True
+    missing = [k for k, s in seen.items() if not s.all()]
+    assert not missing, f"step {step + 1}: no rank updated all of {missing[:3]}"
+    return {k: v.reshape(shapes[k]) for k, v in full.items()}
+
+
+def _gradient_bound(terms, *, dp, pipe_norm, num_reducers):
+    """The reference gradient (exact sum, clipped as DeepSpeed clips) and the elementwise
+    bound on the pipelined run's difference from it.
+
+    Each element of the pipelined gradient is fl(sum of its k terms) / dp, clipped by
+    s = 1 / max(1, (norm + 1e-6) / CLIP); dp is a power of two (exact). Then:
+    - the sum: |fl(sum) - sum| <= e = gamma(k - 1) * sum|terms| / dp, in any order;
+    - the norm DeepSpeed computes from that gradient (fp64 sums of squares per partition,
+      cast to fp32, summed over ``num_reducers`` ranks and groups in fp32, square root):
+      |norm - norm_exact| <= ||e|| + (num_reducers + 4) u (norm_exact + ||e||), checked;
+    - s is 1/CLIP-Lipschitz in the norm where it clips and 1 where not, and DeepSpeed's
+      fp32 arithmetic for it (add, divide, reciprocal) adds 3u relative, the scaling of
+      each element u: |s - s_exact| <= ds = |norm - norm_exact| / CLIP + 4u s_exact;
+    - so |g - s_exact sum / dp| <= (s_exact + ds) e + ds |sum / dp| + u |g|."""
+    exact, bound_e, count = {}, {}, None
+    for name, t in terms.items():
+        stack = torch.stack(t)
+        exact[name] = (stack.sum(0) / dp).numpy()
+        abs_sum = (stack.abs().sum(0) / dp).numpy()
+        # the reference's own float64 sum is off by at most k * 2^-53 of the absolute sum
+        bound_e[name] = (gamma(len(t) - 1) + gamma(len(t), np.float64)) * abs_sum
+        count = max(count or 0, len(t))
+    norm_exact = math.sqrt(sum(float((v ** 2).sum()) for v in exact.values()))
+    e_norm = math.sqrt(sum(float((v ** 2).sum()) for v in bound_e.values()))
+    norm_bound = e_norm + (num_reducers + 4) * U32 * (norm_exact + e_norm)
+    assert abs(pipe_norm - norm_exact) <= norm_bound, \
+        f"gradient norm {pipe_norm!r} vs the reference's {norm_exact!r}: more than its bound {norm_bound:.3e} apart"
+    s_exact = 1.0 / max(1.0, (norm_exact + 1e-6) / CLIP)
+    ds = abs(pipe_norm - norm_exact) / CLIP + 4 * U32 * s_exact
+    out = {}
+    for name in exact:
+        want = exact[name] * s_exact
+        bound = (s_exact + ds) * bound_e[name] + ds * np.abs(exact[name]) + U32 * (np.abs(want) + ds * np.abs(exact[name]))
+        out[name] = (want, bound)
+    return out, count
 
 
 CASES = {
@@ -128,24 +247,43 @@ CASES = {
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pipeline_matches_single_process(case):
+    from recipes import deepseek_v3
+    from recipes.layers.pipe import CausalLMLoss, SequentialReference
     c = CASES[case]
     results = run_ranks(_pipeline_rank, world_size=c["world"], args=(c["schedule"], c["stages"], c["gas"],
                                                                         c["overrides"], c.get("hook", False),
                                                                         c.get("document_token")),
                         timeout=240)
-    ref_losses, ref_state = _reference(dp=c["world"] // c["stages"], gas=c["gas"], overrides=c["overrides"],
-                                       document_token=c.get("document_token"))
-    for r in results:
-        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-6, atol=0)
-    merged = {}
-    for r in results:
-        merged.update(r["state"])
-    assert not np.allclose(ref_state["2.self_attn.o_proj.weight"], _initial_state(c["overrides"])["2.self_attn.o_proj.weight"])
-    assert_weights_close(merged, ref_state)
-
-
-def _initial_state(overrides):
-    from recipes import deepseek_v3
-    from recipes.layers.pipe import SequentialReference
-    model = SequentialReference(deepseek_v3.layer_specs(_model_config(overrides), seed=SEED))
-    return {k: v.numpy() for k, v in model.state_dict().items()}
+    torch.set_num_threads(compute_threads())
+    dp, gas = c["world"] // c["stages"], c["gas"]
+    config = _model_config(c["overrides"])
+    specs = deepseek_v3.layer_specs(config, seed=SEED, document_token=c.get("document_token"))
+    model, loss_fn = _PerOccurrence(specs), CausalLMLoss(0.3, mtp=config.num_mtp_layers > 0)
+    rows = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=c.get("document_token"))
+    initial = SequentialReference(specs).state_dict()
+    for step in range(STEPS):
+        # every holder of a tensor has the same bits: tied layers, stage copies, replicas
+        weights = {}
+        for r in results:
+            for k, v in r[step]["weights"].items():
+                assert k not in weights or np.array_equal(weights[k], v), f"step {step + 1}: copies of {k} differ"
+                weights[k] = v
+        if step == 0:
+            assert set(weights) == set(initial)
+            for k, v in initial.items():
+                assert np.array_equal(weights[k], v.numpy()), f"{k}: the pipeline built other initial weights"
+        terms, losses = _reference_step(model, loss_fn, {k: torch.from_numpy(v) for k, v in weights.items()},
+                                        rows[step], dp=dp, gas=gas)
+        # the loss: fp32 per micro-batch (the same arithmetic), summed and averaged in fp32
+        want_loss = sum(losses) / len(losses)
+        loss_bound = gamma(len(losses)) * sum(abs(x) for x in losses) / len(losses)
+        for r in results:
+            assert abs(r[step]["loss"] - want_loss) <= loss_bound, (step + 1, r[step]["loss"], want_loss, loss_bound)
+        # ranks and groups whose partial norms DeepSpeed adds in fp32: all ranks, MoE and dense groups
+        reference, _ = _gradient_bound(terms, dp=dp, pipe_norm=results[0][step]["norm"],
+                                       num_reducers=c["world"] + 4)
+        got = _assemble(results, step, {k: v[0].shape for k, v in reference.items()})
+        for name, (want, bound) in reference.items():
+            assert_within(got[name], want, bound, what=f"step {step + 1}: gradient of {name}")
+    last = {k: v for r in results for k, v in r[-1]["weights"].items()}
+    assert not np.array_equal(last["2.self_attn.o_proj.weight"], initial["2.self_attn.o_proj.weight"].numpy())
