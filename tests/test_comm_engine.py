@@ -96,7 +96,10 @@ def test_topk_trains_under_dualpipev_zb_with_pipeline_and_data_parallel():
     for r in results:
         assert r["ours"]["steps_reduced"] == 3 and all(c[2] == "True" for c in r["ours"]["calls"])
         assert np.isfinite(r["ours"]["losses"]).all()
-        # lossy, so not equal, but the same training: losses within a few percent
+        # the first step's loss comes before any reduction: the same arithmetic, bitwise
+        assert r["ours"]["losses"][0] == r["ds"]["losses"][0]
+        # then lossy, so not equal: a behavioural check that it is the same training (no
+        # bound carries top-k's dropped 90 % through an Adam step), losses within 5 %
         np.testing.assert_allclose(r["ours"]["losses"], r["ds"]["losses"], rtol=0.05)
         assert any(not np.array_equal(r["ours"]["state"][k], v) for k, v in r["ds"]["state"].items())
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import free_port, run_ranks
+from tests.numerics import gamma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -108,7 +109,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     assert b["start_step"] == 3 and b["steps"] == 3
     # equal losses after the restart need the weights, optimizer, scheduler, data position
     # and (MoE) the routers' correction biases all restored
-    np.testing.assert_allclose(b["losses"], a["losses"][3:], rtol=1e-6, atol=0)
+    assert b["losses"] == a["losses"][3:]          # the same arithmetic in the same order: bitwise
     if "moe" in case:
         assert a["moe"]["expert_load"] and b["moe"]["expert_load"] == a["moe"]["expert_load"]
     assert (part / "latest").read_text().strip() == "global_step6"
@@ -196,6 +197,9 @@ def test_bf16_with_fp32_accumulation_tracks_fp32(tmp_path):
                                "--summary-json", str(summary)],))
         assert [r[0] for r in res] == [0, 0], res
         losses[name] = json.loads(summary.read_text())["losses"]
+    # a behavioural check, not one of equal arithmetic: bf16 rounds every activation and
+    # weight copy (2^-8 relative), which no bound carries through five steps of training;
+    # the losses (about 5.5) must stay within 0.02 of fp32's, and differ (bf16 did run)
     diff = np.abs(np.array(losses["bf16"]) - np.array(losses["fp32"]))
     assert diff.max() < 0.02 and diff.max() > 0, losses
 
@@ -215,6 +219,9 @@ def test_mtp_loss_is_trained_and_reported_apart(tmp_path):
     assert "| lm " in res[0][1] and "| mtp " in res[0][1]
     s = json.loads(summary.read_text())
     assert len(s["loss_parts"]) == 3
+    gas = s["layout"]["grad_accum"]
     for total, parts in zip(s["losses"], s["loss_parts"]):
         assert parts["mtp"] > parts["lm"] > 0          # predicting two tokens ahead is harder
-        assert abs(total - (parts["lm"] + 0.3 * parts["mtp"])) < 1e-4
+        # total = mean over micro-batches of lm + 0.3 mtp, the parts their own means, all in
+        # fp32: 2 gas + 2 roundings at most between the two sides (tests/numerics.py)
+        assert abs(total - (parts["lm"] + 0.3 * parts["mtp"])) <= gamma(2 * gas + 2) * (parts["lm"] + 0.3 * parts["mtp"])
