@@ -10,7 +10,7 @@ keeps its weights in every stretch of the order (a small source repeats its own
 epochs) and its batches are the same through the tiers. A cold tier
 that disappears is retried with back-off, then reported naming the path. Bad input
 (empty documents, undecodable bytes, too little data) fails in one line and leaves
-no cache behind.
+no cache behind; a failed rebuild leaves the cache it would replace.
 A few seconds."""
 
 import json
@@ -274,3 +274,32 @@ def test_a_hot_budget_too_small_for_one_micro_batch_is_refused_up_front(tmp_path
     with pytest.raises(DataError, match="holds fewer than 5 shards"):     # 2 windows of 2 shards, plus one
         HotTier(store, ColdTier(store.root), str(tmp_path / "hot"), budget_bytes=4 * store.shard_bytes(0),
                 policy="next-use", stats=TierStats(), min_shards=2)
+
+
+def _cache_listing(root):
+    return sorted((d, f, os.path.getmtime(os.path.join(root, d, f))) for d in os.listdir(root)
+                  for f in os.listdir(os.path.join(root, d)))
+
+
+def test_a_failed_rebuild_never_damages_the_cache_in_place(tmp_path):
+    """A cache whose index disagrees is replaced only once its rebuild is complete: a
+    rebuild that fails (here: the corpus gained an undecodable line, strict) leaves it."""
+    store = _store(tmp_path)
+    with open(os.path.join(store.root, "index.json")) as f:
+        index = json.load(f)
+    index["settings"]["stale"] = True
+    with open(os.path.join(store.root, "index.json"), "w") as f:
+        json.dump(index, f)
+    before = _cache_listing(str(tmp_path / "cold"))
+
+    class Failing(ByteTokenizer):
+        def encode_documents(self, texts):
+            raise DataError("the rebuild failed")
+    with pytest.raises(DataError, match="the rebuild failed"):
+        build(_data(_corpus(tmp_path), rows_per_shard=16), Failing(), root=str(tmp_path / "cold"),
+              rows_per_shard=16, log=lambda m: None)
+    assert _cache_listing(str(tmp_path / "cold")) == before
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / "cold"))
+    rebuilt = build(_data(_corpus(tmp_path), rows_per_shard=16), ByteTokenizer(), root=str(tmp_path / "cold"),
+                    rows_per_shard=16, log=lambda m: None)
+    assert rebuilt.root == store.root and "stale" not in rebuilt.index["settings"]

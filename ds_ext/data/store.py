@@ -9,7 +9,9 @@ the rows as numpy shards of ``rows_per_shard`` rows plus an ``index.json``.
 modification times, format, text field, document limit, tokenizer, vocabulary, row
 length, shard size): a cache built with other settings is a different directory and
 is never reused. A build goes to a temporary directory renamed into place at the
-end, so a failed or interrupted build never leaves a half cache that looks complete.
+end, so a failed or interrupted build never leaves a half cache that looks complete,
+and never touches a cache already in place (one whose index disagrees is replaced
+only once its rebuild is complete).
 """
 
 import hashlib
@@ -103,20 +105,29 @@ def build(data, tokenizer, *, root, rows_per_shard, log=print):
     store = open_store(final, settings=settings)
     if store is not None:
         return store
-    if os.path.exists(final):                       # other settings or an unreadable index: never reused
+    stale = os.path.exists(final)                   # other settings or an unreadable index: never reused
+    if stale:
         log(f"data: {final} does not match the current settings; rebuilding it")
-        shutil.rmtree(final)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".building-{key}-")
+    old = None
     try:
         index = _write_shards(data, tokenizer, settings=settings, directory=tmp, rows_per_shard=rows_per_shard,
                               log=log)
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
+        if stale:                                   # set aside only now that its replacement is complete
+            old = tempfile.mkdtemp(dir=root, prefix=f".stale-{key}-")
+            os.rename(final, os.path.join(old, key))
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(final):
+            os.rename(os.path.join(old, key), final)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return PackedStore(final, index)
 
 
