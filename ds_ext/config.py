@@ -42,6 +42,9 @@ class RecipeSection:
 
 
 DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
+# bytes of a text/json file that are not UTF-8: stop ("strict"), decode as U+FFFD ("replace"),
+# leave out the documents that have any ("skip")
+ENCODING_ERRORS = ("strict", "replace", "skip")
 
 
 def _check_choices(where, section, **allowed):
@@ -60,11 +63,12 @@ class MixtureSource:
     format: str = "auto"
     text_field: str = "text"
     max_documents: int | None = None
+    encoding_errors: str | None = None      # null: data.encoding_errors
 
     def check(self, where):
         if self.weight <= 0:
             raise ConfigError(f"{where}.weight must be positive, got {self.weight}")
-        _check_choices(where, self, format=DATA_FORMATS)
+        _check_choices(where, self, format=DATA_FORMATS, encoding_errors=ENCODING_ERRORS + (None,))
 
 
 @dataclass(kw_only=True)
@@ -79,6 +83,9 @@ class DataSection:
     seq_len: int = 128
     num_proc: int = 1
     max_documents: int | None = None
+    # text/json files: bytes that are not UTF-8 stop the run ("strict"), become U+FFFD
+    # ("replace") or leave their document out ("skip"); the count is in the data summary
+    encoding_errors: str = "strict"
     # "causal": attention sees every earlier token of the packed row; "document": only the
     # earlier tokens of its own document (documents end with the tokenizer's eos token)
     attention: str = "causal"
@@ -98,7 +105,7 @@ class DataSection:
 
     def check(self, where):
         _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"),
-                       attention=("causal", "document"))
+                       attention=("causal", "document"), encoding_errors=ENCODING_ERRORS)
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
@@ -119,7 +126,9 @@ class DataSection:
         if not self.mixture:
             return [(self, 1.0)]
         return [(dataclasses.replace(self, source=m.source, format=m.format, text_field=m.text_field,
-                                     max_documents=m.max_documents, mixture=[]), m.weight) for m in self.mixture]
+                                     max_documents=m.max_documents, mixture=[],
+                                     encoding_errors=m.encoding_errors or self.encoding_errors), m.weight)
+                for m in self.mixture]
 
 
 @dataclass(kw_only=True)
