@@ -4,7 +4,7 @@ end-of-document tokens, per-replica shards, resumable micro-batch order, and the
 errors for empty or unusable data. Bytes that are not UTF-8 under each
 data.encoding_errors (strict: file:line and the fix; replace: U+FFFD, counted; skip:
 the document left out, counted) for JSON Lines, text and JSON-array files; a
-malformed JSON line named by file:line. Single process; about 20 s."""
+malformed JSON line named by file:line. Single process; about 10 s."""
 
 import json
 import os
