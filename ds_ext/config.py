@@ -42,6 +42,9 @@ class RecipeSection:
 
 
 DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
+# bytes of a text/json file that are not UTF-8: stop ("strict"), decode as U+FFFD ("replace"),
+# leave out the documents that have any ("skip")
+ENCODING_ERRORS = ("strict", "replace", "skip")
 
 
 def _check_choices(where, section, **allowed):
@@ -60,11 +63,12 @@ class MixtureSource:
     format: str = "auto"
     text_field: str = "text"
     max_documents: int | None = None
+    encoding_errors: str | None = None      # null: data.encoding_errors
 
     def check(self, where):
         if self.weight <= 0:
             raise ConfigError(f"{where}.weight must be positive, got {self.weight}")
-        _check_choices(where, self, format=DATA_FORMATS)
+        _check_choices(where, self, format=DATA_FORMATS, encoding_errors=ENCODING_ERRORS + (None,))
 
 
 @dataclass(kw_only=True)
@@ -79,6 +83,9 @@ class DataSection:
     seq_len: int = 128
     num_proc: int = 1
     max_documents: int | None = None
+    # text/json files: bytes that are not UTF-8 stop the run ("strict"), become U+FFFD
+    # ("replace") or leave their document out ("skip"); the count is in the data summary
+    encoding_errors: str = "strict"
     # "causal": attention sees every earlier token of the packed row; "document": only the
     # earlier tokens of its own document (documents end with the tokenizer's eos token)
     attention: str = "causal"
@@ -98,7 +105,7 @@ class DataSection:
 
     def check(self, where):
         _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"),
-                       attention=("causal", "document"))
+                       attention=("causal", "document"), encoding_errors=ENCODING_ERRORS)
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
@@ -119,7 +126,9 @@ class DataSection:
         if not self.mixture:
             return [(self, 1.0)]
         return [(dataclasses.replace(self, source=m.source, format=m.format, text_field=m.text_field,
-                                     max_documents=m.max_documents, mixture=[]), m.weight) for m in self.mixture]
+                                     max_documents=m.max_documents, mixture=[],
+                                     encoding_errors=m.encoding_errors or self.encoding_errors), m.weight)
+                for m in self.mixture]
 
 
 @dataclass(kw_only=True)
@@ -371,7 +380,15 @@ def mixed_precision(ds):
 def fp32_grad_accumulation(ds):
     """Whether DeepSpeed accumulates gradients in fp32: fp32 training, or
     ``data_types.grad_accum_dtype: fp32`` under bf16/fp16."""
-    return not mixed_precision(ds) or ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+    return not mixed_precision(ds) or _grad_accum_is_fp32(ds)
+
+
+def _grad_accum_is_fp32(ds):
+    """``data_types.grad_accum_dtype`` names fp32 in any of DeepSpeed's spellings
+    (fp32, float32, float, torch.float32); resolve_layout has checked it is one."""
+    from deepspeed.runtime.config import DtypeEnum
+    value = ds.get("data_types", {}).get("grad_accum_dtype")
+    return value is not None and DtypeEnum(value) is DtypeEnum.fp32
 
 
 def read_json(path):
@@ -524,6 +541,8 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         value = ds.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    from . import ds_keys
+    ds_keys.check_pydantic_sections(ds)
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     if zero not in (0, 1) or isinstance(zero, bool):
         raise ConfigError(f"zero_optimization.stage {zero!r} cannot be used with DeepSpeed's pipeline engine: "
@@ -544,6 +563,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError(f"{path}: DeepSpeed rejects the config ({type(exc).__name__}: {' | '.join(lines[:3])})"
                           f"; fix the DeepSpeed keys named there") from None
+    ds_keys.check(ds, resolved=resolved)
     layout = Layout(world_size=world_size, pipe_stages=stages, data_parallel=dp,
                     micro_batch=resolved.train_micro_batch_size_per_gpu,
                     grad_accum=resolved.gradient_accumulation_steps, train_batch=resolved.train_batch_size,
@@ -552,8 +572,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
-    bf16_fp32_accum = (ds.get("bf16", {}).get("enabled", False)
-                       and ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32"))
+    bf16_fp32_accum = ds.get("bf16", {}).get("enabled", False) and _grad_accum_is_fp32(ds)
     if layout.schedule == "dualpipe" and bf16_fp32_accum:
         raise ConfigError("schedule dualpipe does not support bf16 with fp32 gradient accumulation yet (its two "
                           "stage copies are summed in the bf16 gradients): use fp32, bf16 without "

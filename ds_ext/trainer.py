@@ -173,11 +173,15 @@ def _resume_state(cfg):
 
 
 def _data_order(data):
-    """What the sample order depends on beyond the keys above (hot/cold tier settings do not count)."""
+    """What the sample order depends on beyond the keys above (hot/cold tier settings do not count).
+    encoding_errors appears only when not "strict", so checkpoints from before it still match."""
+    encodings = [section.encoding_errors for section, _ in data.sources()]
+    encoding = "" if set(encodings) == {"strict"} else f" encoding_errors={encodings}"
     if data.pipeline == "memory":
-        return "memory"
+        return "memory" + encoding
     mixture = [(m.source, m.weight) for m in data.mixture]
-    return f"tiered rows_per_shard={data.rows_per_shard} shuffle_window={data.shuffle_window} mixture={mixture}"
+    return f"tiered rows_per_shard={data.rows_per_shard} shuffle_window={data.shuffle_window} mixture={mixture}" \
+        + encoding
 
 
 def _check_resume_state(saved, cfg, path):
@@ -286,10 +290,12 @@ def _packed_store(data, tokenizer, control, *, rank):
         f"seekspeed.data.cache_dir {root}: rank 0 built the packed cache but this rank cannot read it; the "
         f"cache directory must be shared by all ranks"), rank=rank)
     if rank == 0:
+        from .data.textfiles import describe_undecodable
         mix = "" if len(store.stores) == 1 else \
             f"; mixture of {len(store.stores)} sources, weights {', '.join(f'{w:g}' for w in store.weights)}"
+        undecodable = describe_undecodable(store.index["replaced_documents"], store.index["skipped_documents"])
         print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards under {store.root} "
-              f"({store.index['documents']:,} documents{mix})", flush=True)
+              f"({store.index['documents']:,} documents{mix}{'; ' + undecodable if undecodable else ''})", flush=True)
     return store
 
 
@@ -309,11 +315,11 @@ def _tiered_batches(s, layout, store, *, dp_rank, stage):
     return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch)
 
 
-def _load_rows(s, layout, tokenizer, model_config, *, shard):
+def _load_rows(s, layout, tokenizer, model_config, *, shard, stats=None):
     from .data import packed_sequences
     try:
         return packed_sequences(s.data, tokenizer, vocab_size=model_config.vocab_size, shard=shard,
-                                num_shards=layout.data_parallel)
+                                num_shards=layout.data_parallel, stats=stats)
     except SeekspeedError:
         raise
     except Exception as exc:  # a corrupt file surfaces as whatever its reader raises
@@ -379,11 +385,15 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     elif stage in data_stages(s.schedule, layout.pipe_stages):
         try:
             t0 = time.perf_counter()
-            rows = _load_rows(s, layout, tokenizer, model_config, shard=dp_rank)
+            stats = {}
+            rows = _load_rows(s, layout, tokenizer, model_config, shard=dp_rank, stats=stats)
             batches = PackedBatches(rows, micro_batch=layout.micro_batch, seed=s.train.seed)
             if dp_rank == 0 and stage == 0:
+                from .data.textfiles import describe_undecodable
+                undecodable = describe_undecodable(stats["replaced"], stats["skipped"])
                 print(f"data: {s.data.source} -> {len(rows):,} sequences of {s.data.seq_len} tokens on data-parallel "
-                      f"shard 0 ({time.perf_counter() - t0:.1f}s)", flush=True)
+                      f"shard 0 ({time.perf_counter() - t0:.1f}s){'; corpus: ' + undecodable if undecodable else ''}",
+                      flush=True)
         except SeekspeedError as exc:
             error = exc
     control.stop_if_any_failed(error, rank=rank)

@@ -46,9 +46,12 @@ def main(argv=None):
     except SeekspeedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from ds_ext.data.textfiles import describe_undecodable
     for store in shards.stores:
+        undecodable = describe_undecodable(store.index.get("replaced_documents", 0),
+                                           store.index.get("skipped_documents", 0))
         print(f"ready: {store.root}: {store.num_rows:,} rows of {store.row_len} tokens in {len(store.shards)} shards "
-              f"({store.index['documents']:,} documents)")
+              f"({store.index['documents']:,} documents{'; ' + undecodable if undecodable else ''})")
     print(f"done in {time.perf_counter() - start:.1f} s; training with this config finds the cache under {root}")
     return 0
 

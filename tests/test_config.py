@@ -1,6 +1,11 @@
 """Config validation: strict seekspeed section, DeepSpeed batch arithmetic, the
 bad-input errors of launch/train.py (one line, names the problem and the fix) and
-that a run failing validation writes nothing. Single process; about 10 s."""
+that a run failing validation writes nothing. DeepSpeed's own keys through
+DeepSpeed's code (ds_ext/ds_keys.py): optimizer and scheduler types and params
+built on a dummy parameter, ZeRO and precision sections through DeepSpeed's pydantic
+models and their strict twins, grad_accum_dtype; every shipped config passes.
+Single process; about 10 s (the first optimizer build loads DeepSpeed's FusedAdam op,
+about 3 s)."""
 
 import copy
 import json
@@ -158,12 +163,13 @@ def test_missing_and_invalid_json(tmp_path):
 
 @pytest.mark.parametrize("mutate,expected", [
     (lambda c: c.update(train_micro_batch_size_per_gpu="4"), "train_micro_batch_size_per_gpu must be a positive"),
-    (lambda c: c["zero_optimization"].update(stagee=1), "DeepSpeed rejects the config"),
+    (lambda c: c["zero_optimization"].update(stagee=1),
+     "zero_optimization.stagee is not a key of DeepSpeed's zero_optimization section (did you mean 'stage'?)"),
     (lambda c: c["pipeline"].update(stage=2), "pipeline.stage is not a DeepSpeed pipeline key (did you mean 'stages'?)"),
     (lambda c: c["pipeline"].update(activation_checkpoint_interval="1"), "activation_checkpoint_interval must be"),
     (lambda c: c.update(pipeline=None), "'pipeline' must be an object"),
     (lambda c: c.update(scheduler=[]), "'scheduler' must be an object"),
-    (lambda c: c["zero_optimization"].update(stage="1"), "stage '1' cannot be used"),
+    (lambda c: c["zero_optimization"].update(stage=3), "stage 3 cannot be used"),
     (lambda c: c["seekspeed"].update(recipe=None), "seekspeed.recipe: expected an object"),
     (lambda c: c["seekspeed"]["checkpoint"].update(dir=""), "must be a path or null"),
     (lambda c: c["seekspeed"]["data"].update(seq_len=1), "data.seq_len must be >= 2"),
@@ -224,3 +230,75 @@ def test_dualpipe_constraints(tmp_path, mutate, world, expected):
         c["seekspeed"]["schedule"] = "dualpipe"
         mutate(c)
     assert expected in _error(tmp_path, both, world_size=world)
+
+
+# DeepSpeed's own keys, through DeepSpeed's own code (ds_ext/ds_keys.py): each mistake is
+# one line naming the key path, the value and the fix, before any process group exists.
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda c: c["optimizer"]["params"].update(lr="fast"),
+     ['optimizer.params.lr "fast": FusedAdam, what DeepSpeed builds for optimizer.type \'AdamW\', fails with it',
+      "give a number such as its default 0.001"]),
+    (lambda c: c["optimizer"]["params"].update(betas=[0.9, "0.95"]), ["optimizer.params.betas [0.9, \"0.95\"]",
+                                                                     "a list such as its default [0.9, 0.999]"]),
+    (lambda c: c["optimizer"].update(type="AdamX"),
+     ["optimizer.type 'AdamX' is not an optimizer DeepSpeed can build", "did you mean 'Adamax'?", "'adamw'"]),
+    (lambda c: c["optimizer"]["params"].update(lrr=0.1),
+     ["optimizer.params.lrr is not a parameter of FusedAdam", "did you mean 'lr'?", "remove it or use one of"]),
+    (lambda c: c["optimizer"]["params"].update(max_grad_norm=1.0),
+     ["optimizer.params.max_grad_norm is not a parameter", "gradient_clipping"]),
+    (lambda c: c["optimizer"].update(param={}), ["optimizer.param is not a DeepSpeed optimizer key",
+                                                 "did you mean 'params'?"]),
+    (lambda c: c["scheduler"].update(type="WarmupCosine"),
+     ["scheduler.type 'WarmupCosine' is not a scheduler DeepSpeed can build", "did you mean 'WarmupCosineLR'?"]),
+    (lambda c: c["scheduler"]["params"].update(warmup_num_steps="ten"),
+     ['scheduler.params.warmup_num_steps "ten": WarmupCosineLR', "warmup_num_steps must be a positive integer",
+      "give an integer such as its default 1000"]),
+    (lambda c: c["scheduler"]["params"].update(warmup_steps=20),
+     ["scheduler.params.warmup_steps is not a parameter of WarmupCosineLR", "did you mean 'warmup_num_steps'?"]),
+    (lambda c: c["scheduler"]["params"].update(total_num_steps="many"),
+     ['scheduler.params.total_num_steps "many"', "give an integer"]),
+    (lambda c: c["scheduler"]["params"].pop("total_num_steps"), ["add scheduler.params.total_num_steps"]),
+    (lambda c: c.update(scheduler={"type": "StepLR", "params": {"step_size": "x"}}),
+     ['scheduler.params.step_size "x": StepLR', "give an integer"]),
+    (lambda c: c["zero_optimization"].update(stage="1"),
+     ['zero_optimization.stage "1" must be one of [0, 1, 2, 3], not a string', "write 1"]),
+    (lambda c: c["zero_optimization"].update(stage=True), ["zero_optimization.stage true", "not a boolean"]),
+    (lambda c: c["zero_optimization"].update(stage="two"), ['zero_optimization.stage "two" must be one of']),
+    (lambda c: c["bf16"].update(enabled="false"),
+     ['bf16.enabled "false" must be true or false, not a string', "would read it as false", "write false"]),
+    (lambda c: c["bf16"].update(enabled=1), ["bf16.enabled 1 must be true or false, not a number", "write true"]),
+    (lambda c: c.update(fp16={"enabled": False, "loss_scale": "dynamic"}), ['fp16.loss_scale "dynamic" must be']),
+    (lambda c: c.update(data_types={"grad_accum_dtype": "fp64"}),
+     ["data_types.grad_accum_dtype 'fp64' is not a dtype DeepSpeed knows", "'fp32'", "or remove it"]),
+    (lambda c: c.update(train_batch_size=30), ["batch sizes do not fit", "set train_batch_size to 32"]),
+])
+def test_deepspeed_keys_are_checked_before_the_run(tmp_path, mutate, expected):
+    message = _error(tmp_path, mutate)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda c: c["zero_optimization"].update(reduce_bucket_size=5e8),     # a number for an integer: the same
+    lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "float"}),   # DeepSpeed's alias
+    lambda c: c.update(scheduler={"type": "StepLR", "params": {"step_size": 10}}),          # a torch scheduler
+    lambda c: c.update(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}),  # a torch optimizer
+])
+def test_valid_deepspeed_keys_pass(tmp_path, mutate):
+    from ds_ext.config import fp32_grad_accumulation
+    cfg = load_config(_write(tmp_path, mutate), world_size=4)
+    assert cfg.warnings == []
+    if cfg.ds.get("data_types"):
+        assert fp32_grad_accumulation(cfg.ds)          # "float" is fp32 to DeepSpeed, so to seekspeed too
+
+
+@pytest.mark.parametrize("name,world", [("128node.json", 1024), ("single_node.json", 8), ("tiny_1rank.json", 1),
+                                        ("tiny_cpu.json", 4), ("tiny_dualpipev_cpu.json", 2),
+                                        ("tiny_moe_cpu.json", 4)])
+def test_every_shipped_config_passes_deepspeeds_checks(name, world):
+    assert load_config(os.path.join(ROOT, "ds_configs", name), world_size=world).warnings == []
+
+
+def test_bad_learning_rate_fails_through_validate_and_writes_nothing(tmp_path, capsys):
+    line = _main_error(tmp_path, capsys, lambda c: c["optimizer"]["params"].update(lr="fast"))
+    assert line.startswith('error: optimizer.params.lr "fast"')

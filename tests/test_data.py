@@ -1,7 +1,10 @@
 """Minimal data path: local text/json/parquet files and saved datasets through
 Hugging Face datasets, byte-level and local transformers tokenizers, packing with
 end-of-document tokens, per-replica shards, resumable micro-batch order, and the
-errors for empty or unusable data. Single process; about 15 s."""
+errors for empty or unusable data. Bytes that are not UTF-8 under each
+data.encoding_errors (strict: file:line and the fix; replace: U+FFFD, counted; skip:
+the document left out, counted) for JSON Lines, text and JSON-array files; a
+malformed JSON line named by file:line. Single process; about 10 s."""
 
 import json
 import os
@@ -137,11 +140,78 @@ def test_wrong_text_field(tmp_path):
         packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
 
 
-def test_unreadable_json_is_a_data_error(tmp_path):
+# documents with bytes that are not UTF-8 (a Latin-1 "é", a stray 0xff) among clean ones
+BAD_DOCS = [("document %d: " % i + "abcdefgh" * (i + 1)).encode() for i in range(8)]
+BAD_DOCS[2] = b"caf\xe9 au lait, " * 3
+BAD_DOCS[5] = b"line one\nline two \xff\xfe end"
+BAD = (2, 5)
+
+
+def _write_bad(tmp_path, layout):
+    """The BAD_DOCS corpus as a JSON Lines file, a directory of text files, or a JSON array."""
+    if layout == "jsonl":
+        path = tmp_path / "bad.jsonl"
+        path.write_bytes(b"".join(b'{"text": "' + d.replace(b"\n", b"\\n") + b'"}\n' for d in BAD_DOCS))
+    elif layout == "textdir":
+        path = tmp_path / "txt"
+        path.mkdir()
+        for i, d in enumerate(BAD_DOCS):
+            (path / f"{i:03d}.txt").write_bytes(d)
+    else:
+        path = tmp_path / "array.json"
+        path.write_bytes(b"[\n" + b",\n".join(b'{"text": "' + d.replace(b"\n", b"\\n") + b'"}'
+                                                for d in BAD_DOCS) + b"\n]\n")
+    return path
+
+
+@pytest.mark.parametrize("layout,where", [("jsonl", "bad.jsonl:3: byte 0xe9 at column 14"),
+                                          ("textdir", "002.txt:1: byte 0xe9 at column 4"),
+                                          ("array", "array.json:4: byte 0xe9 at column 14")])
+def test_undecodable_bytes_stop_a_strict_run_naming_file_line_and_fix(tmp_path, layout, where):
+    source = _write_bad(tmp_path, layout)
+    with pytest.raises(DataError) as exc:
+        packed_sequences(_data(source), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+    message = str(exc.value)
+    assert "\n" not in message and where in message, message
+    assert 'set seekspeed.data.encoding_errors to "replace"' in message and '"skip"' in message
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "textdir", "array"])
+@pytest.mark.parametrize("mode", ["replace", "skip"])
+def test_undecodable_bytes_are_replaced_or_skipped_and_counted(tmp_path, layout, mode):
+    source = _write_bad(tmp_path, layout)
+    stats = {}
+    rows = packed_sequences(_data(source, seq_len=7, encoding_errors=mode), ByteTokenizer(), vocab_size=512,
+                            shard=0, num_shards=1, stats=stats)
+    if mode == "replace":
+        expected = [d.decode("utf-8", errors="replace") for d in BAD_DOCS]
+        assert all("\ufffd" in expected[i] for i in BAD)
+        assert stats == {"replaced": 2, "skipped": 0}
+        fffd = list("\ufffd".encode())                         # U+FFFD reaches the tokens as EF BF BD
+        flat = rows.reshape(-1).tolist()
+        assert any(flat[i:i + 3] == fffd for i in range(len(flat)))
+    else:
+        expected = [d.decode() for i, d in enumerate(BAD_DOCS) if i not in BAD]
+        assert stats == {"replaced": 0, "skipped": 2}
+    np.testing.assert_array_equal(rows.reshape(-1), _stream(expected)[:rows.size])
+    assert rows.size > len(_stream(expected)) - 8              # the whole stream but its last partial row
+
+
+def test_a_malformed_json_line_names_file_line_and_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"text": "ok"}\n\xff\xfe not json\n')
-    with pytest.raises(DataError, match="cannot read as json"):
+    bad.write_bytes(b'{"text": "ok"}\n\n{"text": "trailing comma",}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON \(.* at column 27\); fix or remove that line"):
         packed_sequences(_data(bad), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+    bad.write_bytes(b'{"text": "ok"}\n["not", "an object"]\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: a JSON list, not an object with a 'text' field"):
+        packed_sequences(_data(bad), ByteTokenizer(), vocab_size=512, shard=0, num_shards=1)
+    # bytes that are neither UTF-8 nor JSON: replaced, the line is still not JSON, and named
+    bad.write_bytes(b'{"text": "ok"}\n\xff\xfe not json\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        packed_sequences(_data(bad, encoding_errors="replace"), ByteTokenizer(), vocab_size=512, shard=0,
+                         num_shards=1)
+    with pytest.raises(ConfigError, match=r"encoding_errors 'ignore' is not one of \['strict', 'replace', 'skip'\]"):
+        DataSection(encoding_errors="ignore").check("seekspeed.data")
 
 
 def test_stdlib_demo_corpus_is_offline_and_cached():

@@ -10,7 +10,10 @@ keeps its weights in every stretch of the order (a small source repeats its own
 epochs) and its batches are the same through the tiers. A cold tier
 that disappears is retried with back-off, then reported naming the path. Bad input
 (empty documents, undecodable bytes, too little data) fails in one line and leaves
-no cache behind.
+no cache behind. Undecodable bytes under data.encoding_errors "replace" and "skip"
+(the documents counted in index.json, one cache per setting), "strict" failing with
+file:line without touching the caches in place, as launch/prepare_data.py reports
+them; a failed rebuild leaves the cache it would replace.
 A few seconds."""
 
 import json
@@ -194,7 +197,7 @@ def test_bad_input_fails_in_one_line(tmp_path):
     raw.mkdir()
     (raw / "a.txt").write_bytes("caf\xe9 ".encode("latin-1") * 40)  # not UTF-8
     (raw / "b.txt").write_bytes(b"plain ascii text " * 10)
-    with pytest.raises(DataError, match=r"latin1: cannot read as text \(UnicodeDecodeError"):
+    with pytest.raises(DataError, match=r"latin1/a\.txt:1: byte 0xe9 at column 4 is not UTF-8"):
         build(DataSection(source=str(raw), seq_len=15, pipeline="tiered"), ByteTokenizer(),
               root=str(tmp_path / "c3"), rows_per_shard=4, log=lambda m: None)
     assert not os.listdir(tmp_path / "c3")
@@ -274,3 +277,99 @@ def test_a_hot_budget_too_small_for_one_micro_batch_is_refused_up_front(tmp_path
     with pytest.raises(DataError, match="holds fewer than 5 shards"):     # 2 windows of 2 shards, plus one
         HotTier(store, ColdTier(store.root), str(tmp_path / "hot"), budget_bytes=4 * store.shard_bytes(0),
                 policy="next-use", stats=TierStats(), min_shards=2)
+
+
+def _undecodable_corpus(tmp_path):
+    """300 documents, 3 of them with a byte that is not UTF-8."""
+    path = tmp_path / "mixed.jsonl"
+    lines = open(_corpus(tmp_path), "rb").read().splitlines(keepends=True)
+    for i in (10, 150, 299):
+        lines[i] = lines[i].replace(b"doc", b"d\xf6c", 1)
+    path.write_bytes(b"".join(lines))
+    return path, [json.loads(l.decode(errors="replace"))["text"] for l in lines], (10, 150, 299)
+
+
+def _cache_listing(root):
+    return sorted((d, f, os.path.getmtime(os.path.join(root, d, f))) for d in os.listdir(root)
+                  for f in os.listdir(os.path.join(root, d)))
+
+
+def test_undecodable_bytes_under_each_setting_and_the_cache_key(tmp_path):
+    path, docs, bad = _undecodable_corpus(tmp_path)
+    root = str(tmp_path / "cold")
+    built = {}
+    for mode in ("replace", "skip"):
+        store = build(_data(path, encoding_errors=mode), ByteTokenizer(), root=root, rows_per_shard=16,
+                      log=lambda m: None)
+        rows = np.concatenate([np.load(os.path.join(store.root, s["name"])) for s in store.shards]).reshape(-1)
+        kept = docs if mode == "replace" else [d for i, d in enumerate(docs) if i not in bad]
+        stream = np.concatenate([list(d.encode()) + [256] for d in kept])
+        np.testing.assert_array_equal(rows, stream[:rows.size])
+        assert store.index["documents"] == len(kept)
+        assert (store.index["replaced_documents"], store.index["skipped_documents"]) == \
+            ((3, 0) if mode == "replace" else (0, 3))
+        built[mode] = store.root
+    assert "\ufffd" in docs[10] and built["replace"] != built["skip"]       # one cache per setting
+    keys = {mode: cache_key(_data(path, encoding_errors=mode), ByteTokenizer(), rows_per_shard=16)[1]
+            for mode in ("strict", "replace", "skip")}
+    assert len(set(keys.values())) == 3 and os.path.basename(built["skip"]) == keys["skip"]
+    # strict: one line naming file:line and the fix; no cache left behind, the others untouched
+    before = _cache_listing(root)
+    with pytest.raises(DataError) as exc:
+        build(_data(path), ByteTokenizer(), root=root, rows_per_shard=16, log=lambda m: None)
+    assert "mixed.jsonl:11: byte 0xf6 at column 12 is not UTF-8" in str(exc.value)
+    assert 'set seekspeed.data.encoding_errors to "replace"' in str(exc.value)
+    assert _cache_listing(root) == before and not any(n.startswith(".") for n in os.listdir(root))
+    # a mixture source has its own setting, or data's
+    from ds_ext.config import MixtureSource
+    data = DataSection(source="unused", pipeline="tiered", encoding_errors="skip",
+                       mixture=[MixtureSource(source=str(path)), MixtureSource(source=str(path), encoding_errors="replace")])
+    assert [s.encoding_errors for s, _ in data.sources()] == ["skip", "replace"]
+
+
+def test_a_failed_rebuild_never_damages_the_cache_in_place(tmp_path):
+    """A cache whose index disagrees is replaced only once its rebuild is complete: a
+    rebuild that fails (here: the corpus gained an undecodable line, strict) leaves it."""
+    store = _store(tmp_path)
+    with open(os.path.join(store.root, "index.json")) as f:
+        index = json.load(f)
+    index["settings"]["stale"] = True
+    with open(os.path.join(store.root, "index.json"), "w") as f:
+        json.dump(index, f)
+    before = _cache_listing(str(tmp_path / "cold"))
+
+    class Failing(ByteTokenizer):
+        def encode_documents(self, texts):
+            raise DataError("the rebuild failed")
+    with pytest.raises(DataError, match="the rebuild failed"):
+        build(_data(_corpus(tmp_path), rows_per_shard=16), Failing(), root=str(tmp_path / "cold"),
+              rows_per_shard=16, log=lambda m: None)
+    assert _cache_listing(str(tmp_path / "cold")) == before
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / "cold"))
+    rebuilt = build(_data(_corpus(tmp_path), rows_per_shard=16), ByteTokenizer(), root=str(tmp_path / "cold"),
+                    rows_per_shard=16, log=lambda m: None)
+    assert rebuilt.root == store.root and "stale" not in rebuilt.index["settings"]
+
+
+def test_prepare_data_reports_the_undecodable_documents(tmp_path, capsys):
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "launch"))
+    try:
+        import prepare_data
+    finally:
+        sys.path.pop(0)
+    path, _, _ = _undecodable_corpus(tmp_path)
+    with open(os.path.join(root, "ds_configs", "tiny_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg["seekspeed"]["data"].update(source=str(path), seq_len=31, pipeline="tiered", encoding_errors="replace",
+                                    cache_dir=str(tmp_path / "cold"), rows_per_shard=16)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    assert prepare_data.main(["--deepspeed", str(tmp_path / "cfg.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(300 documents; 3 documents with bytes that are not UTF-8 decoded with U+FFFD)" in out, out
+    cfg["seekspeed"]["data"]["encoding_errors"] = "strict"
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    assert prepare_data.main(["--deepspeed", str(tmp_path / "cfg.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: seekspeed.data.source ") and "mixed.jsonl:11:" in err[0]

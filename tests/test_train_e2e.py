@@ -1,7 +1,8 @@
 """End to end: launch/train.py under the real deepspeed launcher (4 ranks, 2 stages
 x 2 replicas), under torchrun (DualPipeV, 2 ranks) and under plain python (1 rank);
-resume continues the same loss trajectory; a bad corpus fails in one line without
-touching the checkpoint directory. Spawns launchers; about 90 s on 2 cores."""
+resume continues the same loss trajectory; a bad corpus, or an optimizer value only
+DeepSpeed's optimizer would refuse, fails in one line without creating the checkpoint
+or report directory. Spawns launchers; about 100 s on 2 cores."""
 
 import json
 import os
@@ -179,6 +180,24 @@ def test_empty_corpus_fails_in_one_line_and_writes_nothing(tmp_path):
     assert len(errors) == 1 and "no non-empty documents" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not ckpt.exists()
+
+
+@pytest.mark.e2e
+def test_a_bad_optimizer_value_fails_before_anything_is_written(tmp_path):
+    """DeepSpeed would take "lr": "fast" and fail at the first step, after the report
+    directory exists; the run stops in validation instead, in one line."""
+    ckpt, report = tmp_path / "ckpt", tmp_path / "report"
+
+    def mutate(c):
+        c["optimizer"]["params"]["lr"] = "fast"
+        c["seekspeed"]["report"] = {"dir": str(report)}
+    cfg = _config(tmp_path, "tiny_1rank.json", mutate)
+    proc = _run([sys.executable, TRAIN, "--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt)])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith('error: optimizer.params.lr "fast"'), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not ckpt.exists() and not report.exists()
 
 
 @pytest.mark.multirank

@@ -6,16 +6,21 @@ import torch
 from ds_ext.errors import DataError
 
 from .sources import load_documents
+from .textfiles import undecodable_counts
 from .tokenizer import _check_ids
 
 
-def packed_sequences(data, tokenizer, *, vocab_size, shard, num_shards):
+def packed_sequences(data, tokenizer, *, vocab_size, shard, num_shards, stats=None):
     """This data-parallel shard's documents, tokenised with an end-of-document token
     after each and cut into rows of ``seq_len + 1`` tokens (inputs plus the shifted
     targets). Documents are sharded contiguously and balanced by characters before
     tokenisation, so each rank only tokenises its own part (it still reads and filters
-    the whole corpus). Tokens are held in memory as int32."""
+    the whole corpus). Tokens are held in memory as int32. ``stats`` (a dict), when
+    given, gets the corpus's counts of documents whose undecodable bytes were
+    ``replaced`` or that were ``skipped`` (data.encoding_errors)."""
     ds, field = load_documents(data)
+    if stats is not None:
+        stats["replaced"], stats["skipped"] = undecodable_counts(ds)
     ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t) for t in batch[field]], batched=True,
                    keep_in_memory=True)
     if len(ds) == 0:

@@ -1,7 +1,8 @@
-"""Documents from Hugging Face ``datasets``: local text/json/parquet files, a
+"""Documents as Hugging Face ``datasets``: local text/json/parquet files, a
 directory of them, a ``save_to_disk`` directory, a hub dataset (``hub:NAME`` or
 ``hub:NAME:CONFIG``, train split; needs the machine online or the dataset in the HF
-cache), or the offline demo corpus."""
+cache), or the offline demo corpus. Text and JSON files are decoded by
+``textfiles.py`` (``data.encoding_errors``), the others by ``datasets``."""
 
 import json
 import os
@@ -118,7 +119,10 @@ def resolve_source(data):
 
 
 def load_documents(data):
-    """The configured documents as a ``datasets.Dataset`` with a text column."""
+    """The configured documents as a ``datasets.Dataset`` with a text column. Text and
+    JSON files are read by ``textfiles.read_files`` (``data.encoding_errors``; count
+    what it replaced or skipped with ``textfiles.undecodable_counts``), parquet, saved
+    and hub datasets by ``datasets``."""
     import datasets
     datasets.disable_progress_bars()
     # datasets logs a failed read before raising it; we report it once, in one line
@@ -151,15 +155,18 @@ def load_documents(data):
         if not files:
             raise DataError(f"seekspeed.data.source {path}: every data file is empty: add data or point "
                             f"seekspeed.data.source elsewhere")
-        kwargs = {"sample_by": "document"} if fmt == "text" else {}
         if fmt == "text":
             text_field = "text"
-        try:
-            ds = datasets.load_dataset(fmt, data_files=files, split="train", **kwargs)
-        except datasets.exceptions.DatasetGenerationError as exc:
-            cause = exc.__cause__ or exc
-            raise DataError(f"seekspeed.data.source {path}: cannot read as {fmt} "
-                            f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
+        if fmt in ("text", "json"):          # read here: encoding_errors, and file:line for a bad line
+            from .textfiles import read_files
+            ds = read_files(files, fmt=fmt, field=text_field, errors=data.encoding_errors, source=path)
+        else:
+            try:
+                ds = datasets.load_dataset(fmt, data_files=files, split="train")
+            except datasets.exceptions.DatasetGenerationError as exc:
+                cause = exc.__cause__ or exc
+                raise DataError(f"seekspeed.data.source {path}: cannot read as {fmt} "
+                                f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
     if text_field not in ds.column_names:
         raise ConfigError(f"seekspeed.data.text_field {text_field!r} is not a column of {path} "
                           f"(columns: {ds.column_names})")

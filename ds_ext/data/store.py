@@ -6,10 +6,13 @@ the rows as numpy shards of ``rows_per_shard`` rows plus an ``index.json``.
     <root>/<key>/shard_00000.npy     memory-mappable (np.load(mmap_mode="r"))
 
 ``key`` hashes everything the rows depend on (the source files' names, sizes and
-modification times, format, text field, document limit, tokenizer, vocabulary, row
-length, shard size): a cache built with other settings is a different directory and
-is never reused. A build goes to a temporary directory renamed into place at the
-end, so a failed or interrupted build never leaves a half cache that looks complete.
+modification times, format, text field, document limit, encoding_errors, tokenizer,
+vocabulary, row length, shard size): a cache built with other settings is a
+different directory and is never reused. A build goes to a temporary directory
+renamed into place at the end, so a failed or interrupted build never leaves a half
+cache that looks complete, and never touches a cache already in place (one whose
+index disagrees is replaced only once its rebuild is complete). ``index.json`` also
+counts the documents whose undecodable bytes were replaced or that were skipped.
 """
 
 import hashlib
@@ -25,6 +28,7 @@ import numpy as np
 from ds_ext.errors import DataError
 
 from .sources import load_documents, resolve_source, stdlib_corpus
+from .textfiles import describe_undecodable, undecodable_counts
 
 FORMAT_VERSION = 1
 INDEX = "index.json"
@@ -51,6 +55,7 @@ def cache_key(data, tokenizer, *, rows_per_shard):
         source, files = str(Path(path).resolve()), _fingerprint(path)
     settings = {"version": FORMAT_VERSION, "source": source, "files": files,
                 "format": fmt, "text_field": data.text_field, "max_documents": data.max_documents,
+                "encoding_errors": data.encoding_errors,
                 "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
                 "row_len": data.seq_len + 1, "rows_per_shard": rows_per_shard}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -103,26 +108,36 @@ def build(data, tokenizer, *, root, rows_per_shard, log=print):
     store = open_store(final, settings=settings)
     if store is not None:
         return store
-    if os.path.exists(final):                       # other settings or an unreadable index: never reused
+    stale = os.path.exists(final)                   # other settings or an unreadable index: never reused
+    if stale:
         log(f"data: {final} does not match the current settings; rebuilding it")
-        shutil.rmtree(final)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=f".building-{key}-")
+    old = None
     try:
         index = _write_shards(data, tokenizer, settings=settings, directory=tmp, rows_per_shard=rows_per_shard,
                               log=log)
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
+        if stale:                                   # set aside only now that its replacement is complete
+            old = tempfile.mkdtemp(dir=root, prefix=f".stale-{key}-")
+            os.rename(final, os.path.join(old, key))
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(final):
+            os.rename(os.path.join(old, key), final)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return PackedStore(final, index)
 
 
 def _write_shards(data, tokenizer, *, settings, directory, rows_per_shard, log):
     start = time.perf_counter()
     ds, field = load_documents(data)
+    replaced, skipped = undecodable_counts(ds)
     ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t) for t in batch[field]], batched=True)
     if data.max_documents is not None:
         ds = ds.select(range(min(data.max_documents, len(ds))))
@@ -173,11 +188,12 @@ def _write_shards(data, tokenizer, *, settings, directory, rows_per_shard, log):
                         f"= {row_len}: add data or lower seekspeed.data.seq_len")
     elapsed = time.perf_counter() - start
     rows = sum(s["rows"] for s in shards)
+    undecodable = describe_undecodable(replaced, skipped)
     log(f"data: packed {documents:,} documents into {rows:,} rows of {row_len} tokens in {len(shards)} shards "
-        f"({elapsed:.1f} s, {total_tokens / max(elapsed, 1e-9):,.0f} tokens/s)")
+        f"({elapsed:.1f} s, {total_tokens / max(elapsed, 1e-9):,.0f} tokens/s){'; ' + undecodable if undecodable else ''}")
     return {"settings": settings, "rows": rows, "row_len": row_len, "dtype": np.dtype(dtype).name,
             "rows_per_shard": rows_per_shard, "shards": shards, "documents": documents, "tokens": total_tokens,
-            "build_s": elapsed}
+            "replaced_documents": replaced, "skipped_documents": skipped, "build_s": elapsed}
 
 
 class ShardSet:
@@ -197,8 +213,8 @@ class ShardSet:
                 self.shards.append({"name": f"{rel}/{sh['name']}", "rows": sh["rows"], "bytes": sh["bytes"]})
                 self.source_of_shard.append(i)
         self.num_rows = sum(sh["rows"] for sh in self.shards)
-        self.index = {"documents": sum(s.index["documents"] for s in stores), "tokens": sum(s.index["tokens"]
-                                                                                         for s in stores)}
+        self.index = {name: sum(s.index.get(name, 0) for s in stores)
+                      for name in ("documents", "tokens", "replaced_documents", "skipped_documents")}
 
     def shard_bytes(self, shard):
         return self.shards[shard]["bytes"]
