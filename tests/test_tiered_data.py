@@ -99,16 +99,45 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(tmp_path):
 def test_every_row_once_per_epoch_across_ranks():
     order = SampleOrder([16] * 9 + [5], seed=3, window=3, dp_size=3, micro_batch=4)
     assert order.num_rows == 149 and order.steps_per_epoch == 149 // 12
+    # the steps' rows, replica after replica, are the stream of epochs: 25 steps = 300 rows
+    seen = np.concatenate([order.rows(m, r) for m in range(25) for r in range(3)])
     for epoch in range(2):
-        seen = np.concatenate([order.rows(epoch * order.steps_per_epoch + m, r)
-                               for m in range(order.steps_per_epoch) for r in range(3)])
-        assert len(set(seen.tolist())) == len(seen) == order.steps_per_epoch * 12
+        assert np.array_equal(seen[149 * epoch:149 * (epoch + 1)], order.epoch(epoch))
         assert np.array_equal(np.sort(order.epoch(epoch)), np.arange(149))
+    assert np.array_equal(seen[298:], order.epoch(2)[:2])
     assert not np.array_equal(order.epoch(0), order.epoch(1))
     # a window of the order touches at most `window` shards
     even = SampleOrder([16] * 9, seed=3, window=3, dp_size=3, micro_batch=4)
     for w in range(3):
         assert len(np.unique(even.shard_of(even.epoch(0)[48 * w:48 * (w + 1)]))) == 3
+
+
+def test_a_resume_with_another_layout_continues_at_the_next_row():
+    """3 replicas x micro-batch 4 for 7 steps, then 2 x 3 from the rows consumed (as a
+    resume on fewer ranks seeks to DeepSpeed's global_samples): every row of the
+    stream exactly once, in order, across the change and the end of the epoch."""
+    before = SampleOrder([16] * 9 + [5], seed=3, window=3, dp_size=3, micro_batch=4)
+    seen = [before.rows(m, r) for m in range(7) for r in range(3)]
+    after = SampleOrder([16] * 9 + [5], seed=3, window=3, dp_size=2, micro_batch=3, start_row=7 * 12)
+    seen += [after.rows(m, r) for m in range(40) for r in range(2)]
+    seen = np.concatenate(seen)
+    assert len(seen) == 84 + 240
+    assert np.array_equal(seen, before.at(np.arange(len(seen))))
+    assert len(set(seen[:149].tolist())) == 149 and len(set(seen[149:298].tolist())) == 149
+
+
+def test_seek_moves_a_tiered_reader_to_another_row(tmp_path):
+    store = _store(tmp_path)
+    one = _batches(store, tmp_path, "next-use+prefetch", dp_size=1)
+    seq = [next(one)[0] for _ in range(12)]              # micro-batches of 3 rows, one replica
+    one.close()
+    for rank in range(2):
+        two = _batches(store, tmp_path, "next-use+prefetch", dp_rank=rank, dp_size=2)
+        next(two)
+        two.seek(5 * 3)                                  # after 5 micro-batches of the single replica
+        for m in range(3):                               # replica r at m reads micro-batch 5 + 2 m + r of one
+            assert torch.equal(next(two)[0], seq[5 + 2 * m + rank])
+        two.close()
 
 
 def _batches(store, tmp_path, mode, *, dp_rank=0, dp_size=2, budget_shards=5, start=0, cold=None):

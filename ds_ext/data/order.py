@@ -4,9 +4,14 @@ Epoch ``e``'s order is a seeded permutation of every packed row: the shards are
 permuted, then the rows inside each window of ``window`` consecutive shards of that
 order are permuted. Every row appears once per epoch, and a stretch of the order
 touches only a few shards, which is what lets a hot tier of a few shards serve it.
-Micro-step ``m`` of an epoch takes rows ``[m*D*B, (m+1)*D*B)`` of the order; data-
-parallel rank ``r`` gets the ``r``-th block of ``B`` of them. The order depends only
-on (rows per shard, seed, epoch, window, mixture), never on where the bytes are.
+The epochs, one after the other, make one endless stream of rows. A run that has
+consumed ``start_row`` rows (DeepSpeed's ``global_samples``) takes, at micro-step
+``m``, the next ``D*B`` rows of the stream, ``[start_row + m*D*B, start_row +
+(m+1)*D*B)``; data-parallel rank ``r`` gets the ``r``-th block of ``B`` of them. A
+resumed run with another data-parallel degree or micro-batch therefore continues at
+exactly the next row: every row of an epoch once, none repeated (a step may span the
+end of an epoch). The order depends only on (rows per shard, seed, epoch, window,
+mixture), never on where the bytes are.
 
 A mixture (several sources with weights): an epoch holds as many rows as all sources
 together, ``weight / sum(weights)`` of them from each source. Each source walks its
@@ -21,13 +26,14 @@ import numpy as np
 
 class SampleOrder:
 
-    def __init__(self, shard_rows, *, seed, window, dp_size, micro_batch, sources=None, weights=None):
+    def __init__(self, shard_rows, *, seed, window, dp_size, micro_batch, sources=None, weights=None, start_row=0):
         self.shard_rows = np.asarray(shard_rows, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.shard_rows)[:-1]])
         self.num_rows = int(self.shard_rows.sum())
         self.seed, self.window = seed, max(1, window)
         self.dp_size, self.micro_batch = dp_size, micro_batch
         self.per_step = dp_size * micro_batch
+        self.start_row = start_row
         sources = np.zeros(len(self.shard_rows), dtype=np.int64) if sources is None else np.asarray(sources)
         self.num_sources = int(sources.max()) + 1
         self._source_shards = [np.flatnonzero(sources == i) for i in range(self.num_sources)]
@@ -88,11 +94,26 @@ class SampleOrder:
         self._epochs = {e: o for e, o in self._epochs.items() if epoch - 1 <= e <= epoch + 1} | {epoch: order}
         return order
 
+    def at(self, offsets):
+        """Row ids at ``offsets`` of the endless stream (epoch ``e`` at ``[e L, (e + 1) L)``)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        epochs, index = np.divmod(offsets, self.epoch_len)
+        out = np.empty_like(offsets)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self.epoch(int(e))[index[mask]]
+        return out
+
+    def offsets(self, positions, dp_rank):
+        """Stream offsets of micro-batches ``positions`` (micro-batches served since
+        ``start_row``) of ``dp_rank``: shape ``positions.shape + (micro_batch,)``."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return (self.start_row + positions[..., None] * self.per_step + dp_rank * self.micro_batch
+                + np.arange(self.micro_batch))
+
     def rows(self, position, dp_rank):
-        """Row ids of micro-batch ``position`` (micro-batches served so far) of ``dp_rank``."""
-        epoch, step = divmod(position, self.steps_per_epoch)
-        start = step * self.per_step + dp_rank * self.micro_batch
-        return self.epoch(epoch)[start:start + self.micro_batch]
+        """Row ids of micro-batch ``position`` (micro-batches served since ``start_row``) of ``dp_rank``."""
+        return self.at(self.offsets(position, dp_rank))
 
     def shard_of(self, rows):
         return np.searchsorted(self.starts, rows, side="right") - 1

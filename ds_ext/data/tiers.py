@@ -254,8 +254,9 @@ class HotTier:
 class TieredBatches:
     """Endless micro-batches ``(input_ids, labels)`` of one data-parallel rank in
     SampleOrder's order, read through the tiers. ``position`` counts micro-batches
-    served (resume sets it). The order is known, so the next use of every shard is
-    too: this rank's uses are tabulated per epoch (this one and the next), which the
+    served since the order's ``start_row`` (``seek`` sets both on resume). The order is
+    known, so the next use of every shard is too: this rank's uses are tabulated per
+    block of about an epoch's micro-steps (this block and the next), which the
     next-use policy and the prefetcher read."""
 
     def __init__(self, store, order, *, dp_rank, cold, hot=None, prefetch=True, prefetch_shards=None):
@@ -270,6 +271,7 @@ class TieredBatches:
         self._header = {}
         self._uses_cache = {}
         self._uses_lock = threading.Lock()
+        self._generation = 0           # bumped by seek: the prefetcher plans again
         self._wake = threading.Event()
         self._stop = False
         self._error = None
@@ -283,27 +285,37 @@ class TieredBatches:
                 self._thread = threading.Thread(target=self._prefetch, name="seekspeed-prefetch", daemon=True)
                 self._thread.start()
 
-    def _uses(self, epoch):
-        """shard -> sorted positions (micro-batches) of ``epoch`` at which this rank reads it."""
+    def seek(self, start_row):
+        """Continue at row ``start_row`` of the order's stream (the rows a resumed run has
+        consumed), at any data-parallel degree or micro-batch."""
         with self._uses_lock:
-            if epoch in self._uses_cache:
-                return self._uses_cache[epoch]
+            self.order.start_row = int(start_row)
+            self.position = 0
+            self._uses_cache = {}
+            self._generation += 1
+        self._wake.set()
+
+    def _uses(self, block):
+        """shard -> sorted positions (micro-batches) of ``block`` (positions [block S,
+        (block + 1) S), S = steps_per_epoch) at which this rank reads it."""
+        with self._uses_lock:
+            if block in self._uses_cache:
+                return self._uses_cache[block]
             o = self.order
-            steps = np.arange(o.steps_per_epoch)
-            idx = steps[:, None] * o.per_step + self.dp_rank * o.micro_batch + np.arange(o.micro_batch)[None, :]
-            shards = o.shard_of(o.epoch(epoch)[idx])                       # (steps, micro_batch)
+            steps = np.arange(block * o.steps_per_epoch, (block + 1) * o.steps_per_epoch)
+            shards = o.shard_of(o.at(o.offsets(steps, self.dp_rank)))       # (steps, micro_batch)
             pairs = np.unique(np.stack([shards.reshape(-1), np.repeat(steps, o.micro_batch)], axis=1), axis=0)
             uses = {}
             for shard, first, last in _runs(pairs[:, 0]):
-                uses[int(shard)] = pairs[first:last, 1] + epoch * o.steps_per_epoch
-            self._uses_cache = {e: u for e, u in self._uses_cache.items() if e >= epoch - 1}
-            self._uses_cache[epoch] = uses
+                uses[int(shard)] = pairs[first:last, 1]
+            self._uses_cache = {b: u for b, u in self._uses_cache.items() if b >= block - 1}
+            self._uses_cache[block] = uses
             return uses
 
     def next_use(self, shard, position=None):
         position = self.position if position is None else position
-        epoch = position // self.order.steps_per_epoch
-        for e in (epoch, epoch + 1):
+        block = position // self.order.steps_per_epoch
+        for e in (block, block + 1):
             arr = self._uses(e).get(shard)
             if arr is not None:
                 i = np.searchsorted(arr, position)
@@ -326,11 +338,11 @@ class TieredBatches:
         planned = None
         while not self._stop:
             try:
-                if planned == self.position:          # nothing consumed since the last round
+                if planned == (self._generation, self.position):     # nothing consumed since the last round
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                planned = self.position
+                planned = (self._generation, self.position)
                 for shard in self.upcoming(self.prefetch_shards):
                     if self._stop:
                         return
