@@ -159,9 +159,39 @@ def _partition_method(ds, recipe):
     return recipe.DEFAULT_PARTITION if method == "best" else method
 
 
-# What a checkpoint must agree on for --resume to continue the same sample order.
+# What a checkpoint must agree on for --resume to continue the same sample order. With
+# the tiered pipeline the order is one stream of rows that a resumed run continues at
+# DeepSpeed's global_samples, so the batch shape may change (_RESHAPEABLE); the memory
+# pipeline cuts the corpus per replica, and another cut would replay and skip data.
 _RESUME_KEYS = ("data_parallel", "micro_batch", "grad_accum", "seq_len", "schedule_steps", "source", "tokenizer",
                 "max_documents", "seed", "data_order")
+_RESHAPEABLE = ("data_parallel", "micro_batch", "grad_accum")
+# The parallel layout a checkpoint records: when one differs, the checkpoint is cut anew
+# for this run (ds_ext/checkpoint/reshard.py) instead of loaded by DeepSpeed.
+_LAYOUT_KEYS = ("pipe_stages", "data_parallel", "expert_parallel_size", "schedule")
+
+
+def _layout_record(cfg, recipe, model_config):
+    """The parallel layout of this run, saved beside each checkpoint so that a run on
+    another layout can find each layer's state: degrees, schedule, ZeRO stage, and the
+    layer keys (global layer index, or tied_modules.<key>) each pipeline rank holds."""
+    from recipes.layers.pipe import partition, rank_layers
+    from .pipe import virtual_stages
+    s, lay = cfg.section, cfg.layout
+    specs = recipe.layer_specs(model_config, seed=0)
+    bounds = partition(specs, num_parts=virtual_stages(s.schedule, lay.pipe_stages),
+                       method=_partition_method(cfg.ds, recipe))
+
+    def key(i):
+        tied = getattr(specs[i], "key", None)
+        return f"tied_modules.{tied}" if tied is not None else str(i)
+
+    held = rank_layers(specs, bounds=bounds, schedule=s.schedule, stages=lay.pipe_stages)
+    return {"pipe_stages": lay.pipe_stages, "data_parallel": lay.data_parallel,
+            "expert_parallel_size": s.moe.expert_parallel_size, "schedule": s.schedule,
+            "zero_stage": cfg.ds.get("zero_optimization", {}).get("stage", 0), "train_batch": lay.train_batch,
+            "n_routed_experts": model_config.n_routed_experts if model_config.num_moe_layers() else 0,
+            "stage_keys": [sorted({key(i) for i in h}) for h in held]}
 
 
 def _resume_state(cfg):
@@ -184,17 +214,95 @@ def _data_order(data):
         + encoding
 
 
-def _check_resume_state(saved, cfg, path):
+def _check_resume_state(saved, cfg, path, *, layout, model_config):
+    """Refuse what --resume cannot continue, naming every difference; returns the layout
+    keys that differ (empty: DeepSpeed loads the checkpoint as it is)."""
     if not saved:
         raise ConfigError(f"--resume: {path} was not written by seekspeed (no data position in it); "
                           f"start a new run in another --checkpoint-dir")
     now = _resume_state(cfg)
     saved = {"data_order": "memory"} | saved        # checkpoints from before the tiered pipeline
-    diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in _RESUME_KEYS if saved.get(k) != now[k]]
+    fields = dataclasses.asdict(model_config)
+    model = [f"{k} {v!r} -> {fields.get(k)!r}" for k, v in (saved.get("model_config") or {}).items()
+             if fields.get(k) != v]
+    if model:
+        raise ConfigError(f"--resume: {path} holds another model ({'; '.join(model[:4])}): resume with the "
+                          f"checkpoint's recipe.preset and recipe.overrides, or start a new run")
+    tiered = cfg.section.data.pipeline == "tiered"
+    diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in _RESUME_KEYS
+            if saved.get(k) != now[k] and not (tiered and k in _RESHAPEABLE)]
     if diff:
-        raise ConfigError(f"--resume: {path} was trained with other settings ({'; '.join(diff)}): resume with the "
-                          f"checkpoint's world size, batch, data and train.steps (changing them on resume is not "
-                          f"supported yet)")
+        reshape = [d for d in diff if d.split()[0] in _RESHAPEABLE]
+        hint = (" (data.pipeline \"memory\" gives each replica its own cut of the corpus, which another degree or "
+                "batch would cut anew, replaying and skipping data: resume with the checkpoint's batch layout, or "
+                "train with seekspeed.data.pipeline \"tiered\", whose one global order a resume continues at any "
+                "layout)") if reshape and not tiered else ""
+        raise ConfigError(f"--resume: {path} was trained with other settings ({'; '.join(diff)}){hint}: resume "
+                          f"with the checkpoint's data, sequence length and train.steps")
+    record = saved.get("layout")
+    if record is None:
+        if now["data_parallel"] != saved.get("data_parallel"):
+            raise ConfigError(f"--resume: {path} predates seekspeed's layout records, so it can only resume on its "
+                              f"own layout ({saved.get('data_parallel')} data-parallel replicas)")
+        return []
+    changed = [k for k in _LAYOUT_KEYS if record.get(k) != layout[k]]
+    if changed and (record.get("zero_stage") != 1 or layout["zero_stage"] != 1):
+        what = "; ".join(f"{k} {record.get(k)!r} -> {layout[k]!r}" for k in changed)
+        raise ConfigError(f"--resume: {path} was written on another layout ({what}), and resuming on another "
+                          f"layout needs ZeRO stage 1 on both sides (zero_optimization.stage: checkpoint "
+                          f"{record.get('zero_stage')}, now {layout['zero_stage']}): resume on the checkpoint's "
+                          f"layout, or train with stage 1")
+    return changed
+
+
+def _newest_tag(engine, ckpt_dir):
+    """The tag --resume loads: the newest checkpoint that verifies (async-zstd), or the
+    one DeepSpeed's 'latest' names."""
+    ckpt = engine._async_checkpoints()
+    if ckpt is not None:
+        ckpt.wait()
+        return ckpt.resolve(ckpt_dir)
+    latest = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def _resume(engine, cfg, recipe, model_config, ckpt_dir, *, control, rank):
+    """Load the newest complete checkpoint of ``ckpt_dir``: by DeepSpeed when it was
+    written on this run's layout, cut anew for this layout when not. Returns its path."""
+    from .checkpoint import reshard
+    tag = _newest_tag(engine, ckpt_dir)
+    if tag is None:
+        raise ConfigError(f"--resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
+    tag_dir = os.path.join(ckpt_dir, tag)
+    layout = _layout_record(cfg, recipe, model_config)
+    error, changed, saved = None, [], None
+    try:
+        state = reshard.load_model_state(engine, tag_dir)
+        saved = state.get("seekspeed") if isinstance(state, dict) else None
+        changed = _check_resume_state(saved, cfg, tag_dir, layout=layout, model_config=model_config)
+    except SeekspeedError as exc:
+        error = exc
+    control.stop_if_any_failed(error, rank=rank)
+    if not changed:
+        load_path, _ = engine.load_checkpoint(ckpt_dir, tag=tag)
+        if load_path is None:
+            raise ConfigError(f"--resume: DeepSpeed could not load {tag_dir}")
+        return load_path
+    record = saved["layout"]
+    if rank == 0:
+        print(f"--resume: {tag_dir} was written on another layout ("
+              + "; ".join(f"{k} {record[k]} -> {layout[k]}" for k in changed) + "): cutting it anew for this run",
+              flush=True)
+    try:
+        reshard.load_into(engine, tag_dir, saved=record, log=(lambda m: print(m, flush=True)) if rank == 0 else
+                          (lambda m: None))
+    except SeekspeedError as exc:
+        error = exc
+    control.stop_if_any_failed(error, rank=rank)
+    return tag_dir
 
 
 class _ControlPlane:
@@ -409,14 +517,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
               flush=True)
     ckpt_dir = s.checkpoint.dir
     if args.resume:
-        load_path, client_state = engine.load_checkpoint(ckpt_dir)
-        if load_path is None:
-            raise ConfigError(f"--resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
-        _check_resume_state((client_state or {}).get("seekspeed"), cfg, load_path)
+        load_path = _resume(engine, cfg, recipe, model_config, ckpt_dir, control=control, rank=rank)
         if rank == 0:
             print(f"resumed from {load_path} at step {engine.global_steps}", flush=True)
     start = engine.global_steps
-    if batches is not None:
+    if store is not None and batches is not None:
+        batches.seek(engine.global_samples)           # the rows consumed so far, whatever the layout was
+    elif batches is not None:
         batches.position = start * layout.grad_accum
     report, window = _run_report(args, s, model_config, engine, control, start=start, rank=rank, has_moe=has_moe)
     if batches is not None:
@@ -428,10 +535,12 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
 
     async_ckpt = engine._async_checkpoints()
     last_save = time.monotonic()
+    layout_record = _layout_record(cfg, recipe, model_config)
 
     def save(step):
         nonlocal last_save
-        meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config)}
+        meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config),
+                                     "layout": layout_record}
         if engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta}) is not False:
             saved.append(step)
         last_save = time.monotonic()

@@ -115,7 +115,9 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
         assert a["moe"]["expert_load"] and b["moe"]["expert_load"] == a["moe"]["expert_load"]
     assert (part / "latest").read_text().strip() == "global_step6"
 
-    # resuming with another batch layout would silently replay or skip data: refused
+    if pipeline == "tiered":
+        return      # the tiered order continues at any batch layout (test_reshard.py)
+    # resuming the memory pipeline with another batch layout would replay or skip data: refused
     changed = json.loads(open(cfg).read())
     changed["train_micro_batch_size_per_gpu"] = 2
     other = tmp_path / "other.json"
