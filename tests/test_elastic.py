@@ -2,7 +2,9 @@
 2 steps, ``--resume auto``) is killed with SIGKILL after a checkpoint has been
 committed, and the job comes back from the newest complete checkpoint and finishes
 without a person: under ``torchrun --max_restarts 1``, and under DeepSpeed's launcher
-wrapped by launch/elastic.py. About 100 s on 2 cores."""
+wrapped by launch/elastic.py. With ``--live-hosts`` the wrapper launches each attempt on
+the hostfile's hosts that answer its probe (a launcher stand-in records what it got; the
+resumed run on fewer replicas itself is tested in test_reshard.py). About 100 s on 2 cores."""
 
 import json
 import os
@@ -107,3 +109,49 @@ def test_elastic_wrapper_refuses_a_command_that_would_not_resume():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "elastic.py"), "--", "deepspeed",
                            "launch/train.py", "--deepspeed", "x.json"], capture_output=True, text=True)
     assert proc.returncode == 2 and "add --resume auto" in proc.stderr.strip().splitlines()[-1]
+
+
+_FAKE_LAUNCHER = """
+import sys, os, json
+hostfile = sys.argv[sys.argv.index("--hostfile") + 1]
+log, alive = sys.argv[-2], sys.argv[-1]
+with open(log, "a") as f:
+    f.write(json.dumps(open(hostfile).read().split()) + "\\n")
+attempts = sum(1 for _ in open(log))
+if attempts == 1:
+    os.remove(os.path.join(alive, "nodeB"))       # a node dies during the first attempt
+    sys.exit(1)
+sys.exit(0)
+"""
+
+
+def test_live_hosts_relaunches_on_the_hosts_that_answer(tmp_path):
+    alive = tmp_path / "alive"
+    alive.mkdir()
+    for host in ("nodeA", "nodeB"):
+        (alive / host).touch()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two nodes\nnodeA slots=8\nnodeB slots=8\n")
+    fake = tmp_path / "launcher.py"
+    fake.write_text(_FAKE_LAUNCHER)
+    log = tmp_path / "attempts.log"
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "elastic.py"), "--live-hosts", "--probe",
+           f"test -e {alive}/{{host}}", "--delay", "0", "--max-restarts", "2", "--",
+           sys.executable, str(fake), "--hostfile", str(hosts), "launch/train.py", "--resume", "auto", str(log),
+           str(alive)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen == [["nodeA", "slots=8", "nodeB", "slots=8"], ["nodeA", "slots=8"]]
+    assert "1 of 2 hosts answer (lost: nodeB)" in proc.stdout and "the job finished (attempt 2)" in proc.stdout
+    assert hosts.read_text().count("slots") == 2                  # the user's hostfile is left alone
+    # fewer hosts than --min-hosts: no launch, and no restarts left
+    proc = subprocess.run(cmd[:2] + ["--min-hosts", "2"] + cmd[2:], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "fewer than --min-hosts 2; not launching" in proc.stdout
+    assert len(log.read_text().splitlines()) == 2
+
+
+def test_live_hosts_needs_a_hostfile():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "elastic.py"), "--live-hosts", "--",
+                           "deepspeed", "launch/train.py", "--resume", "auto"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "give the launcher --hostfile FILE" in proc.stderr.strip().splitlines()[-1]
