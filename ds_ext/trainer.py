@@ -171,10 +171,12 @@ _RESHAPEABLE = ("data_parallel", "micro_batch", "grad_accum")
 _LAYOUT_KEYS = ("pipe_stages", "data_parallel", "expert_parallel_size", "schedule")
 
 
-def _layout_record(cfg, recipe, model_config):
+def _layout_record(cfg, recipe, model_config, engine=None):
     """The parallel layout of this run, saved beside each checkpoint so that a run on
-    another layout can find each layer's state: degrees, schedule, ZeRO stage, and the
-    layer keys (global layer index, or tied_modules.<key>) each pipeline rank holds."""
+    another layout can find each layer's state: degrees, schedule, the optimizer that
+    cut its state, and the layer keys (global layer index, or tied_modules.<key>) each
+    pipeline rank holds."""
+    from .checkpoint.reshard import optimizer_kind
     from recipes.layers.pipe import partition, rank_layers
     from .pipe import virtual_stages
     s, lay = cfg.section, cfg.layout
@@ -190,6 +192,8 @@ def _layout_record(cfg, recipe, model_config):
     return {"pipe_stages": lay.pipe_stages, "data_parallel": lay.data_parallel,
             "expert_parallel_size": s.moe.expert_parallel_size, "schedule": s.schedule,
             "zero_stage": cfg.ds.get("zero_optimization", {}).get("stage", 0), "train_batch": lay.train_batch,
+            "optimizer": optimizer_kind(engine) if engine is not None else None,
+            "bf16": bool(cfg.ds.get("bf16", {}).get("enabled", False)),
             "n_routed_experts": model_config.n_routed_experts if model_config.num_moe_layers() else 0,
             "stage_keys": [sorted({key(i) for i in h}) for h in held]}
 
@@ -246,12 +250,13 @@ def _check_resume_state(saved, cfg, path, *, layout, model_config):
                               f"own layout ({saved.get('data_parallel')} data-parallel replicas)")
         return []
     changed = [k for k in _LAYOUT_KEYS if record.get(k) != layout[k]]
-    if changed and (record.get("zero_stage") != 1 or layout["zero_stage"] != 1):
+    from .checkpoint.reshard import PARTITIONED_OPTIMIZERS
+    if changed and not {record.get("optimizer"), layout["optimizer"]} <= set(PARTITIONED_OPTIMIZERS):
         what = "; ".join(f"{k} {record.get(k)!r} -> {layout[k]!r}" for k in changed)
         raise ConfigError(f"--resume: {path} was written on another layout ({what}), and resuming on another "
-                          f"layout needs ZeRO stage 1 on both sides (zero_optimization.stage: checkpoint "
-                          f"{record.get('zero_stage')}, now {layout['zero_stage']}): resume on the checkpoint's "
-                          f"layout, or train with stage 1")
+                          f"layout needs an optimizer state DeepSpeed cuts by replicas on both sides (ZeRO stage 1, "
+                          f"or bf16; checkpoint: {record.get('optimizer')}, now: {layout['optimizer']}): resume on "
+                          f"the checkpoint's layout, or train with zero_optimization.stage 1")
     return changed
 
 
@@ -277,7 +282,7 @@ def _resume(engine, cfg, recipe, model_config, ckpt_dir, *, control, rank):
     if tag is None:
         raise ConfigError(f"--resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
     tag_dir = os.path.join(ckpt_dir, tag)
-    layout = _layout_record(cfg, recipe, model_config)
+    layout = _layout_record(cfg, recipe, model_config, engine)
     error, changed, saved = None, [], None
     try:
         state = reshard.load_model_state(engine, tag_dir)
@@ -535,7 +540,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
 
     async_ckpt = engine._async_checkpoints()
     last_save = time.monotonic()
-    layout_record = _layout_record(cfg, recipe, model_config)
+    layout_record = _layout_record(cfg, recipe, model_config, engine)
 
     def save(step):
         nonlocal last_save

@@ -1,7 +1,8 @@
 """A checkpoint resumes on another layout (ds_ext/checkpoint/reshard.py): fewer or more
 data-parallel replicas, another expert-parallel degree, another pipeline degree, under
-1F1B and the zero-bubble DualPipeV, ZeRO-1, through the real trainer with the tiered
-data pipeline (one global order, continued at DeepSpeed's global_samples).
+1F1B and the zero-bubble DualPipeV, ZeRO-1 in fp32 and DeepSpeed's BF16 optimizer (bf16
+with fp32 accumulation), through the real trainer with the tiered data pipeline (one
+global order, continued at DeepSpeed's global_samples).
 
 How each resumed run is checked against an uninterrupted one, fed the same rows:
 - 1F1B and MoE: bitwise. The layouts are chosen so that every gradient is the same sum
@@ -32,9 +33,11 @@ from tests.test_train_e2e import _config, _trainer_rank
 
 
 def _cfg(tmp_path, name, *, base="tiny_cpu.json", stages=2, micro=2, gas=1, ep=1, schedule=None, engine="deepspeed",
-         pipeline="tiered"):
+         pipeline="tiered", bf16=False):
     def mutate(c):
         c.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas, gradient_clipping=10.0)
+        if bf16:        # the production precision: DeepSpeed's BF16 optimizer, fp32 accumulation
+            c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
         c["pipeline"]["stages"] = stages
         s = c["seekspeed"]
         if schedule:
@@ -92,12 +95,14 @@ def test_1f1b_resumes_on_fewer_and_more_replicas_and_stages_bitwise(tmp_path):
 
 
 @pytest.mark.multirank
-def test_moe_resumes_with_expert_parallel_two_on_one_replica_bitwise(tmp_path):
-    full = _train(tmp_path, _cfg(tmp_path, "ep2", base="tiny_moe_cpu.json", gas=1, ep=2, engine="async-zstd"),
-                  world=4, steps=4, ckpt=tmp_path / "full")
+def test_moe_in_bf16_resumes_with_expert_parallel_two_on_one_replica_bitwise(tmp_path):
+    """The production settings: bf16 with fp32 accumulation (DeepSpeed's BF16 optimizer),
+    async-zstd checkpoints, experts split over the replicas."""
+    kw = dict(base="tiny_moe_cpu.json", engine="async-zstd", bf16=True)
+    full = _train(tmp_path, _cfg(tmp_path, "ep2", gas=1, ep=2, **kw), world=4, steps=4, ckpt=tmp_path / "full")
     # 2 stages x 2 replicas, experts split over both -> 2 stages x 1 replica, all experts on it
-    resumed = _train(tmp_path, _cfg(tmp_path, "ep1", base="tiny_moe_cpu.json", gas=2, ep=1, engine="async-zstd"),
-                     world=2, steps=4, ckpt=tmp_path / "resumed", resume_from=tmp_path / "full", step=2)
+    resumed = _train(tmp_path, _cfg(tmp_path, "ep1", gas=2, ep=1, **kw), world=2, steps=4,
+                     ckpt=tmp_path / "resumed", resume_from=tmp_path / "full", step=2)
     assert "expert_parallel_size 2 -> 1" in resumed["stdout"]
     assert resumed["losses"] == full["losses"][2:]
     # the routers' correction biases came along: the same expert loads after the change
@@ -135,7 +140,8 @@ def _saved_and_now(tmp_path, saved_kw, now_kw, *, saved_world, now_world, overri
     for name, kw, world in (("saved", saved_kw, saved_world), ("now", now_kw, now_world)):
         cfg = load_config(_cfg(tmp_path, name, **kw), world_size=world)
         model = recipe.make_config(cfg.section.recipe.preset, cfg.section.recipe.overrides)
-        out.append((cfg, model, trainer._layout_record(cfg, recipe, model)))
+        record = trainer._layout_record(cfg, recipe, model) | {"optimizer": "DeepSpeedZeroOptimizer"}
+        out.append((cfg, model, record))       # the optimizer an engine of this config builds (ZeRO-1, fp32)
     (scfg, smodel, slayout), (cfg, model, layout) = out
     saved = trainer._resume_state(scfg) | {"model_config": dataclasses.asdict(smodel) | (overrides or {}),
                                            "layout": slayout}
@@ -147,8 +153,9 @@ def _saved_and_now(tmp_path, saved_kw, now_kw, *, saved_world, now_world, overri
     (dict(pipeline="memory"), dict(pipeline="memory", gas=2), (4, 2), None,
      r'data_parallel 2 -> 1; grad_accum 1 -> 2\) \(data.pipeline "memory" gives each replica .* '
      r'seekspeed.data.pipeline "tiered"'),
-    # ZeRO stage 0 keeps no cut of the optimizer state to put together again
-    (dict(), dict(gas=2), (4, 2), {}, r"needs ZeRO stage 1 on both sides \(zero_optimization.stage: checkpoint 0"),
+    # ZeRO stage 0 in fp32 (DeepSpeed's FusedAdam on whole tensors) keeps no cut of its state to put together
+    (dict(), dict(gas=2), (4, 2), {}, r"needs an optimizer state DeepSpeed cuts by replicas on both sides "
+                                      r"\(ZeRO stage 1, or bf16; checkpoint: FusedAdam"),
     # another model
     (dict(), dict(gas=2), (4, 2), {"hidden_size": 256}, r"holds another model \(hidden_size 256 -> 128\)"),
 ])
@@ -158,7 +165,7 @@ def test_resume_on_another_layout_refusals(tmp_path, saved_kw, now_kw, worlds, o
     saved, cfg, layout, model = _saved_and_now(tmp_path, saved_kw, now_kw, saved_world=worlds[0],
                                                now_world=worlds[1], overrides=overrides)
     if overrides == {}:
-        saved["layout"]["zero_stage"] = 0
+        saved["layout"]["optimizer"] = "FusedAdam"
     with pytest.raises(ConfigError, match=match) as info:
         trainer._check_resume_state(saved, cfg, "/ck/global_step1", layout=layout, model_config=model)
     assert "\n" not in str(info.value)

@@ -1,4 +1,4 @@
-"""Resume a ZeRO-1 checkpoint on another parallel layout: another data-parallel degree,
+"""Resume a checkpoint on another parallel layout: another data-parallel degree,
 expert-parallel degree, pipeline degree or schedule.
 
 DeepSpeed's own load_checkpoint needs the layout it saved with: each rank reads its
@@ -18,8 +18,8 @@ under its logical name, then cut anew for this run:
   experts over the ranks holding the same experts, data-parallel index // E, their
   expert-parallel rank the index % E, as deepspeed.utils.groups lays them out);
 - writing: each local parameter gets its whole fp32 master (cast to the model's
-  dtype), the slice ZeRO gives this rank (``_hp_mapping``, the link DeepSpeed's
-  universal loader uses) gets the master and both moments, the optimizer's step and
+  dtype), the slice ZeRO-1 or the BF16 optimizer gives this rank (``_hp_mapping``, the
+  link DeepSpeed's universal loader uses) gets the master and both moments, the optimizer's step and
   hyper-parameters, the loss scaler, the lr scheduler, the engine's step and sample
   counters and the routers' correction biases (persistent buffers) come from the
   checkpoint.
@@ -58,8 +58,14 @@ def to_global(name, *, ep_rank, local_experts):
     return f"{m['head']}{ep_rank * local_experts + int(m['index'])}{m['tail']}"
 
 
-def zero_file(tag_dir, *, dp, stage):
-    return os.path.join(tag_dir, f"zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt")
+# DeepSpeed optimizers whose state is cut over the replicas with a name for every slice
+# (param_slice_mappings) and a link from each parameter to its slice (_hp_mapping): ZeRO
+# stage 1, and the BF16 optimizer (bf16 with fp32 gradient accumulation, or ZeRO 0 bf16)
+PARTITIONED_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "BF16_Optimizer")
+
+
+def zero_file(tag_dir, *, dp, stage, bf16=False):
+    return os.path.join(tag_dir, f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt")
 
 
 def model_file(tag_dir, *, stage):
@@ -91,14 +97,40 @@ def _local_moe(module):
     return 0, 0
 
 
-def _zero_optimizer(engine, what):
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+def optimizer_kind(engine):
+    """The name of the engine's optimizer (one of PARTITIONED_OPTIMIZERS when resharding works)."""
     optimizer = engine.optimizer
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.partition_gradients:
-        raise ReshardError(f"{what}: resuming on another layout needs ZeRO stage 1 (zero_optimization.stage 1), "
-                           f"whose optimizer state is cut by replicas; this run's optimizer is "
-                           f"{type(optimizer).__name__}. Resume with the checkpoint's layout, or use stage 1")
-    return optimizer
+    name = type(optimizer).__name__
+    if name == "DeepSpeedZeroOptimizer" and optimizer.partition_gradients:
+        return "DeepSpeedZeroOptimizer (stage 2)"
+    return name
+
+
+class _Partitions:
+    """What a reshard writes in DeepSpeed's partitioned optimizers: the model's parameter
+    groups, their fp32 slices on this rank, and the optimizer holding the moments."""
+
+    def __init__(self, engine, what):
+        kind = optimizer_kind(engine)
+        if kind not in PARTITIONED_OPTIMIZERS:
+            raise ReshardError(f"{what}: resuming on another layout needs an optimizer whose state DeepSpeed cuts "
+                               f"by replicas ({', '.join(PARTITIONED_OPTIMIZERS)}: zero_optimization.stage 1, or bf16); "
+                               f"this run's is {kind}. Resume with the checkpoint's layout")
+        self.optimizer = engine.optimizer
+        self.bf16 = kind == "BF16_Optimizer"
+        self.lp_groups = self.optimizer.bf16_groups if self.bf16 else self.optimizer.bit16_groups
+        self.hp_groups = self.optimizer.fp32_groups_flat_partition if self.bf16 else \
+            self.optimizer.single_partition_of_fp32_groups
+        self.inner = self.optimizer.optimizer
+
+    def finish(self, osd):
+        """The optimizer-wide state (clip, loss scaler) of a saved ZeRO file, and the
+        parameter-to-slice links made again over the state just written."""
+        if self.bf16:
+            self.optimizer.clip_grad = osd.get("clip_grad", self.optimizer.clip_grad)
+            self.optimizer._link_all_hp_params()
+        else:
+            self.optimizer._load_global_state(osd)
 
 
 def read_stage(engine, tag_dir, *, stage, saved, wanted):
@@ -108,9 +140,10 @@ def read_stage(engine, tag_dir, *, stage, saved, wanted):
     and one optimizer state dict (for the loss scaler)."""
     dp, ep = saved["data_parallel"], saved["expert_parallel_size"]
     local = saved["n_routed_experts"] // ep if saved.get("n_routed_experts") else 0
+    bf16 = bool(saved.get("bf16"))
     pieces, groups, first = {}, {}, None
     for r in range(dp):
-        state = _load(engine, zero_file(tag_dir, dp=r, stage=stage))
+        state = _load(engine, zero_file(tag_dir, dp=r, stage=stage, bf16=bf16))
         osd = state["optimizer_state_dict"]
         first = first or osd
         base = osd["base_optimizer_state"]
@@ -123,7 +156,7 @@ def read_stage(engine, tag_dir, *, stage, saved, wanted):
             kind = "moe" if moe else "dense"
             step = base["state"][g].get("step")
             if kind in groups and groups[kind]["step"] != step:
-                raise ReshardError(f"{zero_file(tag_dir, dp=r, stage=stage)}: optimizer step {step} differs from "
+                raise ReshardError(f"{zero_file(tag_dir, dp=r, stage=stage, bf16=bf16)}: optimizer step {step} differs from "
                                    f"{groups[kind]['step']} in another replica's file: the checkpoint is inconsistent")
             groups.setdefault(kind, {"step": step, "hyper": {k: v for k, v in hyper.items() if k != "params"}})
             for name, address in mappings.items():
@@ -163,10 +196,10 @@ def load_into(engine, tag_dir, *, saved, log=print):
     """Fill ``engine`` (built for this run's layout) with the state of checkpoint
     ``tag_dir``, written with the layout record ``saved``. Returns the checkpoint's
     model-file state dict (client state included)."""
-    zero = _zero_optimizer(engine, tag_dir)
-    if saved.get("zero_stage", 1) != 1:
-        raise ReshardError(f"{tag_dir} was written with ZeRO stage {saved.get('zero_stage')}; resuming on another "
-                           f"layout needs stage 1 on both sides: resume with the checkpoint's layout")
+    parts = _Partitions(engine, tag_dir)
+    if saved.get("optimizer") not in PARTITIONED_OPTIMIZERS:
+        raise ReshardError(f"{tag_dir} was written by {saved.get('optimizer')}, whose state is not cut by replicas; "
+                           f"resume it on its own layout")
     ep_rank, local = _local_moe(engine.module)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     mine = {n: to_global(n, ep_rank=ep_rank, local_experts=local) for n in names.values()}
@@ -203,13 +236,13 @@ def load_into(engine, tag_dir, *, saved, log=print):
             raise ReshardError(f"{tag_dir}: {mine[name]} has {full.numel():,} elements in the checkpoint, "
                                f"{p.numel():,} in this model: it is another model (check recipe.overrides)")
         p.data.copy_(full.view(p.shape).to(p.dtype))
-    for i, flat in enumerate(zero.single_partition_of_fp32_groups):
-        moe = bool(zero.optimizer.param_groups[i].get("moe"))
+    for i, flat in enumerate(parts.hp_groups):
+        moe = bool(parts.inner.param_groups[i].get("moe"))
         kind = "moe" if moe else "dense"
         if kind not in groups:
             raise ReshardError(f"{tag_dir}: the checkpoint has no {kind} parameter group: it is another model's")
         moments = {k: torch.zeros_like(flat) for k in _MOMENTS}
-        for lp in zero.bit16_groups[i]:
+        for lp in parts.lp_groups[i]:
             mapping = getattr(lp, "_hp_mapping", None)
             if mapping is None:
                 continue
@@ -218,12 +251,12 @@ def load_into(engine, tag_dir, *, saved, log=print):
             mapping.hp_fragment.data.copy_(t["fp32"].narrow(0, lp_at.start, lp_at.numel))
             for k in _MOMENTS:
                 moments[k].narrow(0, hp_at.start, hp_at.numel).copy_(t[k].narrow(0, lp_at.start, lp_at.numel))
-        group = zero.optimizer.param_groups[i]
-        zero.optimizer.state[group["params"][0]] = {"step": groups[kind]["step"], **moments}
+        group = parts.inner.param_groups[i]
+        parts.inner.state[group["params"][0]] = {"step": groups[kind]["step"], **moments}
         for key, value in groups[kind]["hyper"].items():
             if key != "name":
                 group[key] = value
-    zero._load_global_state(first_optim)
+    parts.finish(first_optim)
 
     for name, buf in engine.module.named_buffers():
         key = to_global(name, ep_rank=ep_rank, local_experts=local)
