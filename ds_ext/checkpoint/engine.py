@@ -379,17 +379,18 @@ class RestrictedTorchCheckpointEngine(TorchCheckpointEngine):
 
 def check_before_load(load_dir, tag, *, group):
     """Rank 0 checks every file of checkpoint ``tag`` (manifest sizes, the globals each
-    names); every rank raises its CheckpointError together (collective)."""
+    names); every rank raises its CheckpointError (or UnsafeCheckpointError) together
+    (collective)."""
     error = None
     if tdist.get_rank() == 0:
         try:
             loader.open_tag(load_dir, tag).check()
         except CheckpointError as exc:
-            error = str(exc)
+            error = exc
     box = [error]
     tdist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
-        raise CheckpointError(box[0])
+        raise box[0]
 
 
 class AsyncCheckpointing:
@@ -448,6 +449,12 @@ class AsyncCheckpointing:
 def install(engine, section, *, log=print):
     """Give ``engine`` the checkpoint engine ``section`` (a ``seekspeed.checkpoint``
     section) names. Collective (creates a gloo group)."""
+    if engine.load_universal_checkpoint():
+        # base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir and checkpoint/universal_checkpoint.py
+        # read a universal checkpoint with torch.load(weights_only=False), past any checkpoint engine
+        raise CheckpointError("DeepSpeed's checkpoint.load_universal reads files with torch.load(weights_only=False) "
+                              "outside the checkpoint engine, so a crafted file would run code: remove "
+                              "checkpoint.load_universal from the DeepSpeed config")
     if section.engine == "deepspeed":
         current = engine.checkpoint_engine
         if type(current) is not TorchCheckpointEngine:
