@@ -2,7 +2,8 @@
 
 Runs (shared by the tests below): tiny (bf16, ZeRO-1, fp32 accumulation, as the
 production configs; 2 ranks = 2 stages) trained 2 steps once with each checkpoint
-engine; tiny-moe (fp32, ZeRO-1, 2 stages x 2 replicas, expert-parallel degree 2)
+engine, the async-zstd one under the deepspeed launcher (its ranks must exit: rank 0
+used to wait for ever at interpreter exit); tiny-moe (fp32, ZeRO-1, 2 stages x 2 replicas, expert-parallel degree 2)
 trained 4 steps with async-zstd (checkpoints at 2 and 4), then resumed from its step
 2 with checkpoint.engine "deepspeed" (a DeepSpeed-format checkpoint of step 4).
 Checked: the resumed losses equal the uninterrupted run's bitwise; export and
@@ -38,8 +39,8 @@ from ds_ext.checkpoint.convert import to_deepspeed
 from ds_ext.checkpoint.load import CheckpointError, UnsafeCheckpointError, check_file, load_file, open_tag
 from ds_ext.errors import ConfigError
 from ds_ext.hf_io import export_hf
-from tests.distributed import run_ranks
-from tests.test_train_e2e import _trainer_rank
+from tests.distributed import free_port, run_ranks
+from tests.test_train_e2e import _env, _trainer_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,12 +57,20 @@ def _config(path, base, *, engine, mutate=None):
     return str(path)
 
 
-def _train(cfg, ckpt, *, world, steps, resume=False):
+def _train(cfg, ckpt, *, world, steps, resume=False, launcher=False):
+    """A training run (``launcher``: under the real deepspeed launcher, whose ranks must
+    also exit); its summary."""
     summary = f"{ckpt}.json"
     argv = ["--deepspeed", cfg, "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--summary-json", summary]
-    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
-                    args=(argv + (["--resume"] if resume else []), ))
-    assert [r[0] for r in res] == [0] * world, res
+    argv += ["--resume"] if resume else []
+    if launcher:
+        proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(world),
+                               "--master_port", str(free_port()), os.path.join(ROOT, "launch", "train.py"), *argv],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300, args=(argv, ))
+        assert [r[0] for r in res] == [0] * world, res
     with open(summary) as f:
         return json.load(f)
 
@@ -77,7 +86,8 @@ def dense(tmp_path_factory):
     out = {}
     for engine in ("async-zstd", "deepspeed"):
         cfg = _config(tmp / f"{engine}.json", "tiny_cpu.json", engine=engine, mutate=_bf16)
-        out[engine] = (tmp / engine, _train(cfg, tmp / engine, world=2, steps=2))
+        # the production configs' engine, as a user runs it: under the launcher (its ranks used to hang at exit)
+        out[engine] = (tmp / engine, _train(cfg, tmp / engine, world=2, steps=2, launcher=engine == "async-zstd"))
     assert out["async-zstd"][1]["losses"] == out["deepspeed"][1]["losses"]   # the engine changes no arithmetic
     return {"tmp": tmp, "async": out["async-zstd"][0], "deepspeed": out["deepspeed"][0]}
 

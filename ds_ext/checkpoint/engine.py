@@ -27,6 +27,7 @@ its one-line error when one is refused, so no rank is left waiting in a collecti
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 
@@ -115,6 +116,11 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return True
 
     def cleanup(self):
+        # DeepSpeedEngine.destroy calls this, also from its __del__. At interpreter exit the daemon
+        # writer thread runs no more, so waiting for it would block for ever (rank 0 of a run under
+        # the deepspeed launcher never exited); the trainer has waited for every save by then
+        if sys.is_finalizing():
+            return
         self.wait()
 
     # -- seekspeed's side: collective calls, every rank in the same order ------------------------
@@ -377,20 +383,22 @@ class RestrictedTorchCheckpointEngine(TorchCheckpointEngine):
         return loader.load_file(path, map_location=map_location)
 
 
-def check_before_load(load_dir, tag, *, group):
-    """Rank 0 checks every file of checkpoint ``tag`` (manifest sizes, the globals each
-    names); every rank raises its CheckpointError (or UnsafeCheckpointError) together
-    (collective)."""
+def check_before_load(load_dir, tag, *, group, every_node=False):
+    """Rank 0 (``every_node``: each node's local rank 0, for node-local checkpoint
+    storage) checks every file of checkpoint ``tag``: manifest sizes, the globals each
+    names. Every rank raises the first CheckpointError (or UnsafeCheckpointError)
+    found, together (collective)."""
     error = None
-    if tdist.get_rank() == 0:
+    if tdist.get_rank() == 0 or (every_node and int(os.environ.get("LOCAL_RANK", "0")) == 0):
         try:
             loader.open_tag(load_dir, tag).check()
         except CheckpointError as exc:
             error = exc
-    box = [error]
-    tdist.broadcast_object_list(box, src=0, group=group)
-    if box[0] is not None:
-        raise box[0]
+    errors = [None] * tdist.get_world_size(group=group)
+    tdist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 class AsyncCheckpointing:
@@ -435,7 +443,7 @@ class AsyncCheckpointing:
             if tag is None:
                 return super().load_checkpoint(load_dir, None, *args, **kwargs)   # DeepSpeed's warning, (None, None)
         if isinstance(ckpt, (AsyncCheckpointEngine, RestrictedTorchCheckpointEngine)):
-            check_before_load(load_dir, tag, group=ckpt.group)
+            check_before_load(load_dir, tag, group=ckpt.group, every_node=self.use_node_local_storage())
         return super().load_checkpoint(load_dir, tag, *args, **kwargs)
 
     def train_batch(self, *args, **kwargs):

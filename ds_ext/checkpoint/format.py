@@ -228,7 +228,7 @@ class _Unpickler(safe_pickle.Unpickler):
         return self._tensors[idx]
 
 
-def _open(raw, path):
+def _open(raw, path, *, read_size=_IO_CHUNK):
     """(header, payload stream) of the file open as ``raw``."""
     if raw.read(len(MAGIC)) != MAGIC:
         raise CorruptCheckpointError(f"{path}: not a seekspeed checkpoint file")
@@ -239,7 +239,7 @@ def _open(raw, path):
         raise CorruptCheckpointError(f"{path}: unreadable header ({exc})") from None
     if header["codec"] == "zstd":
         import zstandard
-        return header, zstandard.ZstdDecompressor().stream_reader(raw, read_size=_IO_CHUNK)
+        return header, zstandard.ZstdDecompressor().stream_reader(raw, read_size=read_size)
     return header, raw
 
 
@@ -255,9 +255,10 @@ def _decoding(path):
 
 
 def read_skeleton(path):
-    """The skeleton pickle of ``path`` (bytes), read without its tensors."""
+    """The skeleton pickle of ``path`` (bytes), read without its tensors (and without
+    reading far past it: a check of many files reads little of each)."""
     with open(path, "rb") as raw:
-        header, stream = _open(raw, path)
+        header, stream = _open(raw, path, read_size=1 << 16)
         with _decoding(path):
             skeleton = bytearray(header["skeleton_bytes"])
             _read_exact(stream, memoryview(skeleton), path)
