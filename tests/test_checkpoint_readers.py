@@ -19,7 +19,7 @@ command (torch.save zip and legacy, seekspeed's format) are refused naming the f
 and the type, with the marker file never created: by the loader, by both checkpoint
 engines, by export_hf.py, generate.py, convert_checkpoint.py and --resume (both
 engines, every rank stops).
-About 85 s on 2 cores (the two fixtures' five training runs are most of it)."""
+About 85 s on 2 cores, 150 s when other jobs share them (the fixtures' five training runs are most of it)."""
 
 import contextlib
 import io
