@@ -1,20 +1,19 @@
 """transformers-format import and export.
 
-Export reads a DeepSpeed pipeline checkpoint one layer file at a time and writes
+Export reads a pipeline checkpoint of either engine (checkpoint.load) one layer file at a time and writes
 config.json plus safetensors shards that ``AutoModelForCausalLM.from_pretrained``
 loads. Import (``seekspeed.init_from``) fills a freshly built PipelineModule from
 such a directory, each rank reading only the tensors of the layers it holds.
 """
 
-import glob
 import json
 import os
-import re
 import shutil
 import tempfile
 
 import torch
 
+from .checkpoint.load import kind_of, open_tag
 from .errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -23,75 +22,73 @@ SINGLE = "model.safetensors"
 
 # ---- what a checkpoint says about itself -------------------------------------------
 
-def checkpoint_tag_dir(ckpt_dir, tag=None):
-    if not os.path.isdir(ckpt_dir):
-        raise ConfigError(f"checkpoint directory {ckpt_dir} does not exist")
-    if tag is None:
-        latest = os.path.join(ckpt_dir, "latest")
-        if not os.path.isfile(latest):
-            raise ConfigError(f"{ckpt_dir} has no 'latest' file: pass --tag (one of "
-                              f"{sorted(d for d in os.listdir(ckpt_dir) if d.startswith('global_step')) or 'none'})")
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(ckpt_dir, tag)
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint {path} does not exist")
-    return path
-
-
-def checkpoint_model_config(tag_dir):
-    """(recipe name, recipe config dict) recorded by seekspeed in the checkpoint."""
-    states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    if not states:
-        raise ConfigError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint")
-    state = torch.load(states[0], map_location="cpu", weights_only=False)
-    meta = (state or {}).get("seekspeed") or {}
+def checkpoint_model_config(tag):
+    """(recipe name, recipe config dict, the seekspeed meta) that seekspeed's trainer
+    recorded in checkpoint ``tag`` (a checkpoint.load.Tag)."""
+    models = tag.files("model")
+    if not models:
+        raise ConfigError(f"{tag.path} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint")
+    state = tag.load(models[0])
+    meta = (state.get("seekspeed") if isinstance(state, dict) else None) or {}
     if "model_config" not in meta:
-        raise ConfigError(f"{tag_dir} was not written by seekspeed's trainer (no model config in it)")
-    return meta["recipe"], meta["model_config"]
+        raise ConfigError(f"{tag.path} was not written by seekspeed's trainer (no model config in it)")
+    return meta["recipe"], meta["model_config"], meta
 
 
-def layer_file(tag_dir, position):
-    """The layer file DeepSpeed's PipelineModule wrote for layer ``position`` (None if none)."""
-    found = sorted(glob.glob(os.path.join(tag_dir, f"layer_{position:02d}-model_*states.pt")))
-    return found[0] if found else None
+def weight_files(tag):
+    """The files read_weight_pieces reads from ``tag``."""
+    if tag.files("layer"):
+        return tag.files("layer")
+    return tag.files("model") + tag.files("expert")
 
 
 # ---- reading a checkpoint's weights, a piece at a time -------------------------------
 
-_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-
-
-def read_weight_pieces(tag_dir, config):
+def read_weight_pieces(tag, config):
     """Yield the model's weights in pieces, each a dict of PipelineModule keys (routed
     experts by global index). DeepSpeed writes two layouts: one file per pipeline
     layer (dense models), or, for models with MoE layers, each stage's dense weights
     in mp_rank_<stage>_model_states.pt plus one file per (stage, MoE layer, expert).
-    A piece is one layer file, one stage's dense weights, or one MoE layer's experts."""
+    A piece is one layer file, one stage's dense weights, or one MoE layer's experts.
+    Every file is read through checkpoint.load (either engine's format, verified,
+    restricted unpickling)."""
     from recipes.layers.hf import embedding_is_tied, positions
-    if glob.glob(os.path.join(tag_dir, "layer_*-model_*states.pt")):
+    layers = {kind_of(name)[1]["layer"]: name for name in tag.files("layer")}
+    if layers:
         for position in range(positions(config)["head"] + 1):
-            path = layer_file(tag_dir, position)
-            if path is None:
+            if position not in layers:
                 continue
             prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
-            yield {prefix + k: v for k, v in torch.load(path, map_location="cpu", weights_only=True).items()}
+            yield {prefix + k: v for k, v in tag.load(layers[position]).items()}
         return
     experts = {}
-    for path in glob.glob(os.path.join(tag_dir, "layer_*_expert_*_mp_rank_*_model_states.pt")):
-        layer, _, stage = map(int, _EXPERT_FILE.search(path).groups())
-        experts.setdefault((stage, layer), []).append(path)
-    for path in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt"))):
-        state = torch.load(path, map_location="cpu", weights_only=False)
+    for name in tag.files("expert"):
+        index = kind_of(name)[1]
+        experts.setdefault((index["mp"], index["moe_layer"]), []).append(name)
+    for name in tag.files("model"):
+        state = tag.load(name)
         module = state.get("module") if isinstance(state, dict) else None
         if not module:
-            raise ConfigError(f"{path} holds no weights: not a complete checkpoint")
+            raise ConfigError(f"{tag.file(name)} holds no weights: not a complete checkpoint")
         yield dict(module)
     for key in sorted(experts):
         piece = {}
-        for path in sorted(experts[key]):
-            piece.update(torch.load(path, map_location="cpu", weights_only=True))
+        for name in sorted(experts[key]):
+            piece.update(tag.load(name))
         yield piece
+
+
+def open_checkpoint(ckpt_dir, tag=None):
+    """(checkpoint.load.Tag, recipe, recipe config, seekspeed meta) of a seekspeed
+    checkpoint, every weight file checked (manifest, allowed types) before any is read."""
+    from recipes import get_recipe
+    from ds_ext.schema import from_dict
+    ckpt = open_tag(ckpt_dir, tag)
+    recipe_name, fields, meta = checkpoint_model_config(ckpt)
+    ckpt.check(weight_files(ckpt))
+    recipe = get_recipe(recipe_name)
+    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    return ckpt, recipe, config, meta
 
 
 # ---- export ------------------------------------------------------------------------
@@ -144,21 +141,17 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint, one
     piece of the checkpoint in memory at a time. Nothing appears at ``out_dir``
     unless the whole export succeeds."""
-    from recipes import get_recipe
     from recipes.layers.hf import to_hf_state_dict
-    from ds_ext.schema import from_dict
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir} exists and is not empty: choose a new directory")
-    tag_dir = checkpoint_tag_dir(ckpt_dir, tag)
-    recipe_name, fields = checkpoint_model_config(tag_dir)
-    recipe = get_recipe(recipe_name)
-    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    ckpt, recipe, config, _ = open_checkpoint(ckpt_dir, tag)
+    tag_dir = ckpt.path
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         writer, written, saved_dtype = _ShardWriter(tmp, max_shard_bytes), set(), None
-        for number, piece in enumerate(read_weight_pieces(tag_dir, config)):
+        for number, piece in enumerate(read_weight_pieces(ckpt, config)):
             for name, tensor in to_hf_state_dict(piece, config).items():
                 if name in written:       # a tied embedding appears on two stages
                     continue
@@ -267,23 +260,16 @@ def load_hf_into_module(module, hf_dir, config):
 
 def load_checkpoint_model(ckpt_dir, *, tag=None):
     """(recipe config, SequentialReference, training meta) from a pipeline checkpoint."""
-    from recipes import get_recipe
     from recipes.layers.pipe import SequentialReference
-    from ds_ext.schema import from_dict
-    tag_dir = checkpoint_tag_dir(ckpt_dir, tag)
-    recipe_name, fields = checkpoint_model_config(tag_dir)
-    recipe = get_recipe(recipe_name)
-    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    ckpt, recipe, config, meta = open_checkpoint(ckpt_dir, tag)
     model = SequentialReference(recipe.layer_specs(config, seed=0))
     state = {}
-    for piece in read_weight_pieces(tag_dir, config):
+    for piece in read_weight_pieces(ckpt, config):
         state.update(piece)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
-        raise ConfigError(f"{tag_dir}: no tensor for {missing[:3]}: incomplete checkpoint")
+        raise ConfigError(f"{ckpt.path}: no tensor for {missing[:3]}: incomplete checkpoint")
     model.load_state_dict({k: state[k] for k in model.state_dict()})
-    states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    meta = torch.load(states[0], map_location="cpu", weights_only=False).get("seekspeed", {})
     return config, model.eval(), meta
 
 

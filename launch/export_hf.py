@@ -1,4 +1,5 @@
-"""Export a seekspeed (DeepSpeed pipeline) checkpoint to the transformers format.
+"""Export a seekspeed (DeepSpeed pipeline) checkpoint of either checkpoint engine (deepspeed,
+async-zstd) to the transformers format.
 
     python launch/export_hf.py --checkpoint runs/tiny/checkpoints --out exported/tiny
     python launch/export_hf.py --checkpoint DIR --tag global_step200 --out HF_DIR --dtype bf16

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ds_ext.errors import ConfigError
-from ds_ext.hf_io import check_hf_dir, export_hf, layer_file, load_hf_into_module
+from ds_ext.checkpoint import CheckpointError
+from ds_ext.hf_io import check_hf_dir, export_hf, load_hf_into_module
 from recipes import deepseek_v3
 from recipes.layers.hf import embedding_is_tied
 from recipes.layers.pipe import SequentialReference
@@ -137,7 +138,7 @@ def test_other_model_and_bad_directories_are_refused(tmp_path):
         check_hf_dir(str(d), deepseek_v3.make_config("tiny", {"hidden_size": 256}))
     with pytest.raises(ConfigError, match="has no config.json"):
         check_hf_dir(str(tmp_path), config)
-    with pytest.raises(ConfigError, match="no 'latest' file"):
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
         export_hf(str(tmp_path), str(tmp_path / "out"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

@@ -1,5 +1,5 @@
-"""An asynchronous zstd CheckpointEngine for DeepSpeed, and the engine mixin that
-drives its commit.
+"""An asynchronous zstd CheckpointEngine for DeepSpeed, DeepSpeed's own torch.save
+engine with restricted loading, and the engine mixin that drives them.
 
 DeepSpeed calls ``create``, ``makedirs`` and ``save`` (once per file) from
 ``engine.save_checkpoint`` and ``load`` from ``engine.load_checkpoint``; this engine
@@ -15,24 +15,32 @@ At most one save is in flight per rank; when the next one is due, ``when_busy``
 decides: ``wait`` for the previous one, or ``skip`` the new one. A failed write (disk
 full, say) removes the staging directory on every rank and, per ``on_error``, stops
 training with the error or logs it and goes on; the previous checkpoint is untouched.
+
+Both engines load through load.py (seekspeed's and DeepSpeed's formats, unpickled with
+safe_pickle's allow-list): ``RestrictedTorchCheckpointEngine`` is DeepSpeed's
+TorchCheckpointEngine with that ``load``, installed for ``checkpoint.engine:
+"deepspeed"``. Before DeepSpeed reads a checkpoint, rank 0 checks every file of it
+(manifest, and the globals each names, statically) and every rank stops together with
+its one-line error when one is refused, so no rank is left waiting in a collective.
 """
 
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from ds_ext.errors import SeekspeedError
-from . import catalog, format as fmt
+from . import catalog, format as fmt, load as loader
+from .load import CheckpointError
 
-
-class CheckpointError(SeekspeedError):
-    """A checkpoint could not be written or read; the message names the file."""
+__all__ = ["AsyncCheckpointEngine", "AsyncCheckpointing", "CheckpointError", "RestrictedTorchCheckpointEngine",
+           "install"]
 
 
 class _Job:
@@ -99,21 +107,20 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._submit(self._write, job, rel, snap)
 
     def load(self, path, map_location=None):
-        if not fmt.is_seekspeed_file(path):
-            return torch.load(path, map_location=map_location, weights_only=False)
-        entry = self._manifest_entry(path)
-        try:
-            if entry is not None and os.path.dirname(os.path.abspath(path)) != self._verified:
-                fmt.verify(path, size=entry["size"], sha256=entry["sha256"])
-            return fmt.read(path, map_location=map_location)
-        except fmt.CorruptCheckpointError as exc:
-            raise CheckpointError(f"cannot load checkpoint file {exc}") from None
+        directory = os.path.dirname(os.path.abspath(path))
+        return loader.load_file(path, map_location=map_location, manifest=self._manifest(directory),
+                                verify="none" if directory == self._verified else "full")
 
     def commit(self, info):
         self.seal()
         return True
 
     def cleanup(self):
+        # DeepSpeedEngine.destroy calls this, also from its __del__. At interpreter exit the daemon
+        # writer thread runs no more, so waiting for it would block for ever (rank 0 of a run under
+        # the deepspeed launcher never exited); the trainer has waited for every save by then
+        if sys.is_finalizing():
+            return
         self.wait()
 
     # -- seekspeed's side: collective calls, every rank in the same order ------------------------
@@ -340,17 +347,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
         tdist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _manifest_entry(self, path):
-        directory = os.path.dirname(os.path.abspath(path))
+    def _manifest(self, directory):
         if directory not in self._manifests:
             try:
                 self._manifests[directory] = catalog.read_manifest(directory)
             except fmt.CorruptCheckpointError as exc:
                 raise CheckpointError(str(exc)) from None
-        manifest = self._manifests[directory]
-        if manifest is None:
-            return None
-        return manifest["files"].get(os.path.basename(path))
+        return self._manifests[directory]
 
     def resolve(self, load_dir):
         """The tag every rank loads: the newest checkpoint in ``load_dir`` that verifies
@@ -366,9 +369,42 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return tag
 
 
+class RestrictedTorchCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch.save engine (``checkpoint.engine: "deepspeed"``) whose ``load``
+    goes through load.py: DeepSpeed's own loads the file with
+    torch.load(weights_only=False), which runs whatever code a crafted file names."""
+
+    def __init__(self, config_params=None, *, group=None):
+        super().__init__(config_params)
+        self.name = "SeekspeedRestrictedTorchCheckpointEngine"
+        self.group = group
+
+    def load(self, path, map_location=None):
+        return loader.load_file(path, map_location=map_location)
+
+
+def check_before_load(load_dir, tag, *, group, every_node=False):
+    """Rank 0 (``every_node``: each node's local rank 0, for node-local checkpoint
+    storage) checks every file of checkpoint ``tag``: manifest sizes, the globals each
+    names. Every rank raises the first CheckpointError (or UnsafeCheckpointError)
+    found, together (collective)."""
+    error = None
+    if tdist.get_rank() == 0 or (every_node and int(os.environ.get("LOCAL_RANK", "0")) == 0):
+        try:
+            loader.open_tag(load_dir, tag).check()
+        except CheckpointError as exc:
+            error = exc
+    errors = [None] * tdist.get_world_size(group=group)
+    tdist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
 class AsyncCheckpointing:
     """Engine mixin: ``save_checkpoint`` and ``load_checkpoint`` as DeepSpeed's, plus
-    the begin/seal/poll calls the asynchronous engine needs."""
+    the begin/seal/poll calls the asynchronous engine needs and the check before a
+    load."""
 
     def _async_checkpoints(self):
         engine = getattr(self, "checkpoint_engine", None)
@@ -395,13 +431,19 @@ class AsyncCheckpointing:
         return True
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        ckpt = self._async_checkpoints()
-        if ckpt is not None:
+        ckpt = getattr(self, "checkpoint_engine", None)
+        if isinstance(ckpt, AsyncCheckpointEngine):
             ckpt.wait()
             if tag is None:
                 tag = ckpt.resolve(load_dir)
                 if tag is None:
                     return None, None
+        elif isinstance(ckpt, RestrictedTorchCheckpointEngine) and tag is None:
+            tag = catalog.read_latest(load_dir)       # as DeepSpeed reads it
+            if tag is None:
+                return super().load_checkpoint(load_dir, None, *args, **kwargs)   # DeepSpeed's warning, (None, None)
+        if isinstance(ckpt, (AsyncCheckpointEngine, RestrictedTorchCheckpointEngine)):
+            check_before_load(load_dir, tag, group=ckpt.group, every_node=self.use_node_local_storage())
         return super().load_checkpoint(load_dir, tag, *args, **kwargs)
 
     def train_batch(self, *args, **kwargs):
@@ -414,9 +456,22 @@ class AsyncCheckpointing:
 
 def install(engine, section, *, log=print):
     """Give ``engine`` the checkpoint engine ``section`` (a ``seekspeed.checkpoint``
-    section) names. Collective (creates a gloo group) for ``async-zstd``."""
-    if section.engine != "async-zstd":
-        return None
+    section) names. Collective (creates a gloo group)."""
+    if engine.load_universal_checkpoint():
+        # base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir and checkpoint/universal_checkpoint.py
+        # read a universal checkpoint with torch.load(weights_only=False), past any checkpoint engine
+        raise CheckpointError("DeepSpeed's checkpoint.load_universal reads files with torch.load(weights_only=False) "
+                              "outside the checkpoint engine, so a crafted file would run code: remove "
+                              "checkpoint.load_universal from the DeepSpeed config")
+    if section.engine == "deepspeed":
+        current = engine.checkpoint_engine
+        if type(current) is not TorchCheckpointEngine:
+            raise CheckpointError(f"DeepSpeed chose its {type(current).__name__} from the config's checkpoint section "
+                                  f"(writer or datastates), which loads files with torch.load(weights_only=False): "
+                                  f"remove those keys, or set seekspeed.checkpoint.engine to \"async-zstd\"")
+        group = tdist.new_group(backend="gloo")
+        engine.checkpoint_engine = RestrictedTorchCheckpointEngine(engine._config, group=group)
+        return engine.checkpoint_engine
     if engine.use_node_local_storage():
         raise CheckpointError("seekspeed.checkpoint.engine async-zstd commits through one directory that every "
                               "rank sees; turn off DeepSpeed's checkpoint.use_node_local_storage or use engine "

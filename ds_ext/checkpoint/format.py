@@ -13,6 +13,7 @@ floating tensor are regrouped before compression, byte 0 of every element, then 
 vary little, end up next to each other, which is what zstd compresses well (ZipNN).
 """
 
+import contextlib
 import hashlib
 import io
 import json
@@ -22,6 +23,8 @@ import struct
 
 import numpy as np
 import torch
+
+from . import safe_pickle
 
 MAGIC = b"SSCKPT01"
 GROUP_ELEMENTS = 1 << 22          # byte-grouping runs: 4M elements (16 MB of fp32) at a time
@@ -211,7 +214,8 @@ def _read_exact(stream, view, path):
         got += n
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(safe_pickle.Unpickler):
+    """The skeleton's unpickler: tensors by index, globals only from safe_pickle.ALLOWED."""
 
     def __init__(self, file, tensors):
         super().__init__(file)
@@ -224,30 +228,53 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[idx]
 
 
+def _open(raw, path, *, read_size=_IO_CHUNK):
+    """(header, payload stream) of the file open as ``raw``."""
+    if raw.read(len(MAGIC)) != MAGIC:
+        raise CorruptCheckpointError(f"{path}: not a seekspeed checkpoint file")
+    try:
+        (hlen, ) = struct.unpack("<I", raw.read(4))
+        header = json.loads(raw.read(hlen))
+    except (struct.error, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: unreadable header ({exc})") from None
+    if header["codec"] == "zstd":
+        import zstandard
+        return header, zstandard.ZstdDecompressor().stream_reader(raw, read_size=read_size)
+    return header, raw
+
+
+@contextlib.contextmanager
+def _decoding(path):
+    """Any failure while decoding becomes a CorruptCheckpointError naming ``path``."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be decoded ({type(exc).__name__}: {exc})") from None
+
+
+def read_skeleton(path):
+    """The skeleton pickle of ``path`` (bytes), read without its tensors (and without
+    reading far past it: a check of many files reads little of each)."""
+    with open(path, "rb") as raw:
+        header, stream = _open(raw, path, read_size=1 << 16)
+        with _decoding(path):
+            skeleton = bytearray(header["skeleton_bytes"])
+            _read_exact(stream, memoryview(skeleton), path)
+    return bytes(skeleton)
+
+
 def read(path, *, map_location=None):
     """The state dict stored in ``path`` (tensors on CPU, or moved to ``map_location``
-    when it is a device or device string)."""
+    when it is a device or device string). The skeleton is unpickled with
+    safe_pickle's allow-list: a global outside it raises safe_pickle.RefusedGlobal."""
     with open(path, "rb") as raw:
-        if raw.read(len(MAGIC)) != MAGIC:
-            raise CorruptCheckpointError(f"{path}: not a seekspeed checkpoint file")
-        try:
-            (hlen, ) = struct.unpack("<I", raw.read(4))
-            header = json.loads(raw.read(hlen))
-        except (struct.error, ValueError) as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable header ({exc})") from None
-        if header["codec"] == "zstd":
-            import zstandard
-            stream = zstandard.ZstdDecompressor().stream_reader(raw, read_size=_IO_CHUNK)
-        else:
-            stream = raw
-        try:
+        header, stream = _open(raw, path)
+        with _decoding(path):
             skeleton = bytearray(header["skeleton_bytes"])
             _read_exact(stream, memoryview(skeleton), path)
             tensors = [_read_tensor(stream, spec, header, path) for spec in header["tensors"]]
-        except Exception as exc:
-            if isinstance(exc, CorruptCheckpointError):
-                raise
-            raise CorruptCheckpointError(f"{path}: cannot be decoded ({type(exc).__name__}: {exc})") from None
     device = map_location if isinstance(map_location, (str, torch.device)) else None
     if device is not None and torch.device(device).type != "cpu":
         tensors = [t.to(device) for t in tensors]
