@@ -438,7 +438,7 @@ def test_resume_refuses_a_crafted_checkpoint_on_every_rank(dense, tmp_path):
     path = _crafted_copy(dense["deepspeed"], ckpt, marker, name="layer_06-model_states.pt")
     cfg = _config(tmp_path / "cfg.json", "tiny_cpu.json", engine="deepspeed", mutate=_bf16)
     res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
-                    args=(["--deepspeed", cfg, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume"], ))
+                    args=(["--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume"], ))
     assert [r[0] for r in res] == [2, 2], res
     lines = res[0][2].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: refused to unpickle posix.system"), res[0][2]
