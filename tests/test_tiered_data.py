@@ -128,7 +128,7 @@ def test_a_resume_with_another_layout_continues_at_the_next_row():
 
 def test_seek_moves_a_tiered_reader_to_another_row(tmp_path):
     store = _store(tmp_path)
-    one = _batches(store, tmp_path, "next-use+prefetch", dp_size=1)
+    one = _batches(store, tmp_path, "next-use", dp_size=1)        # its own hot directory, no prefetch thread
     seq = [next(one)[0] for _ in range(12)]              # micro-batches of 3 rows, one replica
     one.close()
     for rank in range(2):
@@ -151,6 +151,20 @@ def _batches(store, tmp_path, mode, *, dp_rank=0, dp_size=2, budget_shards=5, st
     it = TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=mode.endswith("+prefetch"))
     it.position = start
     return it
+
+
+def test_a_large_hot_tier_keeps_few_files_open(tmp_path):
+    """Every resident shard is memory-mapped when read, and each map holds a descriptor:
+    a budget of thousands of shards must not reach the process's descriptor limit (with
+    one map per resident shard this run held 404 descriptors)."""
+    store = _store(tmp_path, rows_per_shard=4)
+    it = _batches(store, tmp_path, "next-use", dp_size=1, budget_shards=len(store.shards))
+    open_fds = lambda: len(os.listdir("/proc/self/fd"))
+    before = open_fds()
+    for _ in range(it.order.steps_per_epoch):                   # every shard, all of them resident
+        next(it)
+    assert len(it.hot._resident) > 4 * it.hot.max_open, (len(it.hot._resident), it.hot.max_open)
+    assert open_fds() - before <= it.hot.max_open
 
 
 @pytest.mark.parametrize("mode", ["lru", "next-use", "next-use+prefetch"])

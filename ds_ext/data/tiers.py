@@ -164,7 +164,11 @@ class HotTier:
         shutil.rmtree(directory, ignore_errors=True)    # a hot tier is a cache: start empty
         os.makedirs(directory)
         self._resident = collections.OrderedDict()      # shard -> bytes, least recently used first
-        self._arrays = {}
+        # open memory maps, least recently read first: each holds a file descriptor (Python's
+        # mmap keeps a duplicate), so a hot tier of thousands of shards would otherwise run
+        # into the descriptor limit; a micro-batch reads at most 2 x min_shards of them
+        self._arrays = collections.OrderedDict()
+        self.max_open = max(8, 2 * min_shards)
         self._fetching = set()
         self._lock = threading.Condition()
         self._used = 0
@@ -245,9 +249,14 @@ class HotTier:
                                 f"shards the current micro-batch uses; raise seekspeed.data.hot_budget_mb")
             with self._lock:
                 self._resident.move_to_end(shard)
-        arr = self._arrays.get(shard)
-        if arr is None:
-            arr = self._arrays[shard] = np.load(self._path(shard), mmap_mode="r")
+        with self._lock:
+            arr = self._arrays.get(shard)
+            if arr is None:
+                arr = self._arrays[shard] = np.load(self._path(shard), mmap_mode="r")
+                while len(self._arrays) > self.max_open:
+                    self._arrays.popitem(last=False)      # its map (and descriptor) goes with its last reference
+            else:
+                self._arrays.move_to_end(shard)
         return arr
 
 
