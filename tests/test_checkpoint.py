@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from ds_ext.checkpoint import catalog, format as fmt
+from tests import checkpoint_worker
 from tests.distributed import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,8 +316,9 @@ def _check_committed(save_dir):
         catalog.verify_checkpoint(ckpt)
         for rank in range(2):
             state = fmt.read(os.path.join(ckpt.path, f"rank{rank}.pt"))
-            assert state["meta"] == {"step": ckpt.step, "rank": rank}
-            assert bool((state["weights"] == ckpt.step).all()) and bool((state["half"] == ckpt.step).all())
+            expected = checkpoint_worker.state_at(ckpt.step, rank=rank, numel=4 * (1 << 20) // 4)
+            assert state["meta"] == expected["meta"]
+            assert torch.equal(state["weights"], expected["weights"]) and torch.equal(state["half"], expected["half"])
     newest = catalog.newest_complete(save_dir, log=lambda m: None)
     assert (newest is None) == (not found)
     if found:
