@@ -8,26 +8,38 @@ complete checkpoint among torn, corrupt and foreign ones.
 Two gloo ranks: nothing is committed until every rank has written; ``when_busy``
 skip; retention; DeepSpeed's own format read by the same engine; a full disk (a 3 MB tmpfs, needs root) fails the save
 cleanly with the previous checkpoint intact, per ``on_error``.
-SIGKILL at random moments over 16 trials of a 2-rank job saving every step: no trial
-leaves a torn checkpoint that verifies, every committed one loads with the right
-contents, and the job resumes from the newest complete one.
-About 90 s on 2 cores."""
+SIGKILL over 104 trials of a 2-rank job saving every step (tests/checkpoint_worker.py,
+ranks forked from a forkserver that has imported torch and DeepSpeed once): 8 kills
+on entering or leaving each step of the save path (snapshot, write, the writer's
+fsync, the commit's all-reduce, and on rank 0 manifest, rename into place, `latest`,
+retention's remove), the worker killing itself there, each checked for the exact
+state that point must leave; 40 at random moments. In every trial each committed
+checkpoint verifies and loads with its own step's data, the newest complete one is
+the newest committed, `latest` names it or the one before, no staging directory is
+taken for a checkpoint; one trial in four resumes and runs on from the newest
+complete one.
+About 80 s on 2 cores: 45 s the SIGKILL test (measured; its 16 trials before took 55 s),
+the rest as before."""
 
+import collections
+import functools
+import json
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import multiprocessing.forkserver as mp_forkserver
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from ds_ext.checkpoint import catalog, format as fmt
+from tests import checkpoint_worker
 from tests.distributed import free_port, run_ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sample_state():
@@ -292,69 +304,269 @@ def test_disk_full_fails_the_save_cleanly(tmp_path, on_error):
             assert r["error"] is None
 
 
-# -- SIGKILL at random moments ------------------------------------------------------------------
+# -- SIGKILL along the whole save path -----------------------------------------------------------
+#
+# Ranks start from a forkserver that has imported torch, DeepSpeed and the engine once,
+# so a trial costs a fork and a gloo rendezvous, not two interpreter start-ups.
 
-def _start_job(save_dir, steps, log_dir, tag):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        log = open(os.path.join(log_dir, f"{tag}-rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.checkpoint_worker", save_dir, str(steps), "4"],
-                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+_PRELOAD = ["torch", "torch.distributed", "zstandard", "deepspeed", "ds_ext.config", "ds_ext.checkpoint.engine",
+            "tests.checkpoint_worker"]
+_MB_PER_RANK = 1
+_N_PER_PHASE = 8
+_N_RANDOM = 40
+_OCCURRENCES = {"snapshot": 6, "write": 6, "fsync": 12, "agree": 25, "manifest": 6, "rename": 6, "latest": 6,
+                "remove": 3}       # the n-th occurrence is drawn from 1..this (remove: from the 4th save, keep_last 3)
+
+
+def _tail(path, lines=30):
+    try:
+        return "".join(open(path, errors="replace").readlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class _Job:
+    """The two ranks of one run of tests/checkpoint_worker.py, from the forkserver."""
+
+    def __init__(self, ctx, *, port, save_dir, steps, log_dir, env=({}, {})):
+        self.logs = [os.path.join(log_dir, f"rank{rank}.log") for rank in range(2)]
+        self.procs = [ctx.Process(target=checkpoint_worker.run_rank, daemon=True,
+                                  args=(rank, 2, port, save_dir, steps, _MB_PER_RANK, self.logs[rank], env[rank]))
+                      for rank in range(2)]
+        for p in self.procs:
+            p.start()
+
+    def describe(self):
+        return "\n".join(f"--- rank {r} (exit code {p.exitcode}):\n{_tail(self.logs[r])}"
+                         for r, p in enumerate(self.procs))
+
+    def kill(self, rank):
+        p = self.procs[rank]
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_for_exit(self, timeout):
+        """Block until a rank has exited (or ``timeout``); the ranks that have."""
+        ready = mp_connection.wait([p.sentinel for p in self.procs], timeout)
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join()
+        return {r for r, p in enumerate(self.procs) if p.exitcode is not None}
+
+    def join(self, timeout):
+        """Wait for both ranks to exit by themselves; False on timeout."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return all(p.exitcode is not None for p in self.procs)
+
+    def finish(self):
+        for rank in range(2):
+            self.kill(rank)
+        for p in self.procs:
+            p.join()
+
+
+@functools.cache
+def _bases(numel):
+    return [checkpoint_worker.base_tensors(rank, numel) for rank in range(2)]
 
 
 def _check_committed(save_dir):
     """Every committed checkpoint verifies and holds its own step's data; the newest
-    complete one is the newest committed one. Returns its step (0: none)."""
+    complete one is the newest committed one; ``latest`` names the newest or, when
+    killed between the rename and its update, the one before (missing before the
+    first); no staging directory is taken for a checkpoint. Returns the committed
+    checkpoints, oldest first."""
     found, problems = catalog.list_checkpoints(save_dir)
     assert problems == [], problems
+    numel = _MB_PER_RANK * (1 << 20) // 4
+    bases = _bases(numel)
     for ckpt in found:
+        assert ckpt.manifest is not None and not ckpt.tag.startswith("."), ckpt
         catalog.verify_checkpoint(ckpt)
+        assert sorted(ckpt.manifest["files"]) == ["rank0.pt", "rank1.pt"] and ckpt.manifest["global_step"] == ckpt.step
         for rank in range(2):
             state = fmt.read(os.path.join(ckpt.path, f"rank{rank}.pt"))
-            assert state["meta"] == {"step": ckpt.step, "rank": rank}
-            assert bool((state["weights"] == ckpt.step).all()) and bool((state["half"] == ckpt.step).all())
+            expected = checkpoint_worker.state_at(ckpt.step, rank=rank, numel=numel, base=bases[rank])
+            assert state["meta"] == expected["meta"], (ckpt.tag, state["meta"])
+            assert torch.equal(state["weights"], expected["weights"]) and torch.equal(state["half"], expected["half"])
     newest = catalog.newest_complete(save_dir, log=lambda m: None)
     assert (newest is None) == (not found)
+    latest = catalog.read_latest(save_dir)
     if found:
         assert newest.tag == found[-1].tag
-        assert catalog.read_latest(save_dir) in {c.tag for c in found}
-    return newest.step if newest else 0
+        assert latest in [c.tag for c in found[-2:]] or (latest is None and len(found) == 1), (latest, found)
+    else:
+        assert latest is None
+    staged = [n.removeprefix(catalog.STAGING) for n in os.listdir(save_dir) if n.startswith(catalog.STAGING)] \
+        if os.path.isdir(save_dir) else []
+    assert not {c.tag for c in found} & set(staged), (found, staged)
+    return found
+
+
+def _check_killed_at(save_dir, rec, found):
+    """The state a kill at this exact point of the save path must leave."""
+    phase, when, tag, rank = rec["phase"], rec["when"], rec["tag"], rec["rank"]
+    committed = [c.tag for c in found]
+    staging = os.path.join(save_dir, catalog.STAGING + tag)
+    latest = catalog.read_latest(save_dir)
+    where = f"killed on {when} of {phase} #{rec['n']} of {tag} on rank {rank}: committed {committed}, " \
+            f"latest {latest}, {sorted(os.listdir(save_dir))}"
+    if phase in ("snapshot", "write", "fsync", "agree", "manifest") or (phase == "rename" and when == "entry"):
+        # not committed: the previous checkpoints are all there is, the save stays in staging
+        assert tag not in committed and os.path.isdir(staging), where
+        assert all(c.step < catalog.step_of(tag) for c in found), where
+        mine = os.path.join(staging, f"rank{rank}.pt")
+        if phase == "snapshot" or (phase == "write" and when == "entry"):
+            assert not os.path.exists(mine), where
+        if phase == "write" and when == "exit":
+            assert fmt.read(mine)["meta"] == {"step": catalog.step_of(tag), "rank": rank}, where
+        has_manifest = os.path.exists(os.path.join(staging, catalog.MANIFEST))
+        assert has_manifest == (phase == "rename" or (phase == "manifest" and when == "exit")), where
+    elif phase in ("rename", "latest"):
+        # committed; 'latest' is replaced last
+        assert committed[-1] == tag and not os.path.exists(staging), where
+        assert (latest == tag) == (phase == "latest" and when == "exit"), where
+    else:
+        assert phase == "remove" and tag != committed[-1], where
+        assert (tag in committed) == (when == "entry"), where
+        if when == "exit":
+            assert not any(n == tag or n.startswith(catalog.TRASH + tag + ".") for n in os.listdir(save_dir)), where
+
+
+def _children_cpu_s(pid):
+    """CPU seconds of the processes ``pid`` has reaped (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")   # cutime, cstime
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def _trials(rng):
+    """Every phase ``_N_PER_PHASE`` times (entry and exit, either rank where both take
+    part), and ``_N_RANDOM`` kills at a random moment; shuffled. One in four of each
+    kind is resumed afterwards."""
+    trials = []
+    for phase in checkpoint_worker.PHASES:
+        for i in range(_N_PER_PHASE):
+            victim = 0 if phase in checkpoint_worker.RANK0_ONLY else (i // 2) % 2
+            trials.append({"phase": phase, "n": rng.randint(1, _OCCURRENCES[phase]),
+                           "when": ("entry", "exit")[i % 2], "victim": victim, "resume": i % 4 == 3})
+    for i in range(_N_RANDOM):
+        trials.append({"phase": None, "delay": rng.uniform(0.0, 0.5), "victim": rng.randrange(2),
+                       "resume": i % 4 == 3})
+    rng.shuffle(trials)
+    return trials
+
+
+def _kill(job, trial, rng):
+    """Kill the job as ``trial`` says: its victim at its phase (the victim does it) or
+    at a random moment after saving began, the other rank 0-200 ms later, as a
+    launcher would."""
+    victim = trial["victim"]
+    if trial["phase"]:
+        # the victim goes first, by its own SIGKILL (the other may fail on the lost peer right after)
+        exited = job.wait_for_exit(timeout=60)
+        assert victim in exited and job.procs[victim].exitcode == -signal.SIGKILL, \
+            f"{trial}: rank {victim} did not kill itself\n{job.describe()}"
+    else:
+        deadline = time.monotonic() + 60
+        while "saving from now on" not in _tail(job.logs[0]):
+            assert time.monotonic() < deadline and not job.wait_for_exit(0.005), \
+                f"{trial}: the job did not start\n{job.describe()}"
+        assert not job.wait_for_exit(trial["delay"]), f"{trial}\n{job.describe()}"
+        job.kill(victim)
+    time.sleep(rng.uniform(0.0, 0.2))
+    job.finish()
+
+
+def _check_resume(job, save_dir, newest):
+    """The job came back from the newest complete checkpoint and ran to its end."""
+    assert job.join(60), f"the resumed job hangs\n{job.describe()}"
+    assert [p.exitcode for p in job.procs] == [0, 0], job.describe()
+    log = _tail(job.logs[0], 1000)
+    assert (f"resumed from global_step{newest}" in log) == (newest > 0) and "finished" in log, log
+    found = _check_committed(save_dir)
+    assert found[-1].step == newest + 3 and catalog.read_latest(save_dir) == found[-1].tag
+    assert not any(n.startswith((catalog.STAGING, catalog.TRASH)) for n in os.listdir(save_dir))
 
 
 @pytest.mark.multirank
-def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
+def test_sigkill_along_the_save_path_never_leaves_a_torn_checkpoint(tmp_path):
     rng = random.Random(20261130)
-    trials, torn_writes, resumed = 16, 0, 0
-    for trial in range(trials):
-        save_dir = str(tmp_path / f"trial{trial}")
-        procs = _start_job(save_dir, 10_000, str(tmp_path), f"t{trial}")
-        log0 = tmp_path / f"t{trial}-rank0.log"
-        deadline = time.monotonic() + 120           # start-up: about 2 s here, more on a cold machine
-        while "saving from now on" not in log0.read_text() and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), log0.read_text()
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 2.0))            # then a save per 20 ms step
-        victims = [0, 1] if rng.random() < 0.5 else [1, 0]
-        procs[victims[0]].send_signal(signal.SIGKILL)
-        time.sleep(rng.uniform(0.0, 0.2))            # the launcher takes the other one down soon after
-        procs[victims[1]].send_signal(signal.SIGKILL)
-        for p in procs:
-            p.wait()
-        if os.path.isdir(save_dir) and any(n.startswith(catalog.STAGING) for n in os.listdir(save_dir)):
-            torn_writes += 1
-        newest = _check_committed(save_dir)
-        if trial % 4 == 3:                           # and the job comes back from the newest complete one
-            procs = _start_job(save_dir, newest + 3, str(tmp_path), f"t{trial}-resume")
-            assert [p.wait(timeout=60) for p in procs] == [0, 0]
-            log = open(tmp_path / f"t{trial}-resume-rank0.log").read()
-            assert (f"resumed from global_step{newest}" in log) == (newest > 0) and "finished" in log, log
-            assert _check_committed(save_dir) == newest + 3
-            resumed += 1
-        shutil.rmtree(save_dir, ignore_errors=True)
-    # the kills must have hit saves in flight, or the test proved nothing
-    assert torn_writes >= trials // 2, f"only {torn_writes} of {trials} kills hit a save in flight"
-    assert resumed == trials // 4
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    trials, ports, jobs = _trials(rng), set(), []
+
+    def start(save_dir, steps, log_dir, env=({}, {})):
+        while (port := free_port()) in ports:      # a fresh port for every job
+            pass
+        ports.add(port)
+        os.makedirs(log_dir, exist_ok=True)
+        jobs.append(_Job(ctx, port=port, save_dir=save_dir, steps=steps, log_dir=log_dir, env=env))
+        return jobs[-1]
+
+    killed_in = collections.Counter()      # (phase, when, victim) of the directed kills
+    random_hits = collections.Counter()    # what the rank killed at a random moment was doing, per thread
+    in_flight = {"directed": 0, "random": 0}
+    began, own_cpu_began, cpu_began, server = time.monotonic(), time.process_time(), None, None
+    try:
+        for t, trial in enumerate(trials):
+            trial_began = time.monotonic()
+            save_dir, phase_dir = str(tmp_path / f"t{t}" / "ckpt"), str(tmp_path / f"t{t}" / "phases")
+            env = [{"SEEKSPEED_PHASE_DIR": phase_dir} for _ in range(2)]
+            if trial["phase"]:
+                env[trial["victim"]]["SEEKSPEED_KILL_AT"] = f"{trial['phase']}:{trial['n']}:{trial['when']}"
+            os.makedirs(phase_dir)
+            job = start(save_dir, 10_000, str(tmp_path / f"t{t}"), env)
+            if server is None:
+                server = getattr(mp_forkserver._forkserver, "_forkserver_pid", None)
+                cpu_began = _children_cpu_s(server)
+            _kill(job, trial, rng)
+            found = _check_committed(save_dir)
+            in_flight["directed" if trial["phase"] else "random"] += any(
+                n.startswith(catalog.STAGING) for n in os.listdir(save_dir)) if os.path.isdir(save_dir) else 0
+            if trial["phase"]:
+                with open(os.path.join(phase_dir, f"rank{trial['victim']}.killed")) as f:
+                    rec = json.load(f)
+                assert (rec["phase"], rec["n"], rec["when"], rec["rank"]) == \
+                    (trial["phase"], trial["n"], trial["when"], trial["victim"]), (rec, trial)
+                _check_killed_at(save_dir, rec, found)
+                killed_in[rec["phase"], rec["when"], rec["rank"]] += 1
+            else:
+                with open(os.path.join(phase_dir, f"rank{trial['victim']}.phase"), "rb") as f:
+                    slots = f.read().decode()
+                random_hits[f"{slots[:32].strip() or 'starting'} | {slots[32:].strip() or 'starting'}"] += 1
+            if trial["resume"]:
+                newest = found[-1].step if found else 0
+                _check_resume(start(save_dir, newest + 3, str(tmp_path / f"t{t}" / "resume")), save_dir, newest)
+            shutil.rmtree(save_dir, ignore_errors=True)
+            print(f"trial {t}: {trial} {time.monotonic() - trial_began:.2f} s", flush=True)
+    finally:
+        for job in jobs:                           # no rank outlives the test
+            job.finish()
+    cpu = _children_cpu_s(server)
+    cpu = f"{cpu - cpu_began:.0f}" if cpu is not None and cpu_began is not None else "?"
+    print(f"{len(trials)} trials in {time.monotonic() - began:.0f} s (CPU: {cpu} s in the ranks, "
+          f"{time.process_time() - own_cpu_began:.0f} s in the test); a save in flight at "
+          f"{in_flight['directed']} directed and {in_flight['random']} random kills; "
+          f"{sum(t['resume'] for t in trials)} resumed")
+    for (phase, when, rank), count in sorted(killed_in.items()):
+        print(f"  killed on {when:5} of {phase:8} on rank {rank}: {count}")
+    for where, count in random_hits.most_common():
+        print(f"  random kill, the victim's training | writer thread in {where}: {count}")
+    assert len(trials) >= 100
+    for phase in checkpoint_worker.PHASES:          # every phase reached and killed in, at both ends
+        victims = (0, ) if phase in checkpoint_worker.RANK0_ONLY else (0, 1)
+        assert {(w, v) for (p, w, v) in killed_in if p == phase} == {(w, v) for w in ("entry", "exit")
+                                                                     for v in victims}, killed_in
+    assert sum(killed_in.values()) == len(checkpoint_worker.PHASES) * _N_PER_PHASE
+    # the random kills must have hit saves in flight too, or they proved nothing
+    assert in_flight["random"] >= _N_RANDOM // 2, f"only {in_flight['random']} of {_N_RANDOM} random kills hit a " \
+                                                   f"save in flight"
