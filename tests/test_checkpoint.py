@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -39,6 +38,7 @@ import torch
 
 from ds_ext.checkpoint import catalog, format as fmt
 from tests import checkpoint_worker
+from tests.mounts import small_tmpfs
 from tests.distributed import free_port, run_ranks
 
 
@@ -285,15 +285,8 @@ def _disk_full_rank(save_dir, on_error):
 @pytest.mark.multirank
 @pytest.mark.parametrize("on_error", ["continue", "stop"])
 def test_disk_full_fails_the_save_cleanly(tmp_path, on_error):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         res = run_ranks(_disk_full_rank, world_size=2, args=(str(mnt / "ck"), on_error), timeout=120)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
     for r in res:
         assert r["history"] == [("global_step1", "committed"), ("global_step2", "failed")]
         assert r["left"] == ["global_step1", "latest"]          # staging removed, previous kept

@@ -39,6 +39,7 @@ from ds_ext.checkpoint.convert import to_deepspeed
 from ds_ext.checkpoint.load import CheckpointError, UnsafeCheckpointError, check_file, load_file, open_tag
 from ds_ext.errors import ConfigError
 from ds_ext.hf_io import export_hf
+from tests.mounts import small_tmpfs
 from tests.distributed import free_port, run_ranks
 from tests.test_train_e2e import _env, _trainer_rank
 
@@ -301,17 +302,10 @@ def test_convert_refuses_bad_input_and_writes_nothing(dense, tmp_path):
 
 @pytest.mark.multirank
 def test_convert_into_a_full_disk_leaves_nothing(dense, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         with pytest.raises(CheckpointError, match="No space left on device.*nothing was written to"):
             to_deepspeed(str(dense["async"]), str(mnt / "out"), log=lambda m: None)
         assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
     assert catalog.newest_complete(str(dense["async"]), log=lambda m: None).tag == "global_step2"   # source intact
 
 
