@@ -69,11 +69,12 @@ def _trainer_rank(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
+# MoE with expert parallelism resumes bitwise in test_checkpoint_readers.py (from async-zstd,
+# with the deepspeed engine) and, on another layout, in test_reshard.py
 RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine, data pipeline
     "1f1b": ("tiny_cpu.json", 2, 1, "deepspeed", "memory"),
     "1f1b-async-zstd-tiered": ("tiny_cpu.json", 2, 1, "async-zstd", "tiered"),
     "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1, "deepspeed", "memory"),
-    "moe-ep2": ("tiny_moe_cpu.json", 4, 2, "deepspeed", "memory"),
 }
 
 
@@ -111,8 +112,6 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     # equal losses after the restart need the weights, optimizer, scheduler, data position
     # and (MoE) the routers' correction biases all restored
     assert b["losses"] == a["losses"][3:]          # the same arithmetic in the same order: bitwise
-    if "moe" in case:
-        assert a["moe"]["expert_load"] and b["moe"]["expert_load"] == a["moe"]["expert_load"]
     assert (part / "latest").read_text().strip() == "global_step6"
 
     if pipeline == "tiered":
