@@ -523,6 +523,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     ckpt_dir = s.checkpoint.dir
     if args.resume:
         load_path = _resume(engine, cfg, recipe, model_config, ckpt_dir, control=control, rank=rank)
+        from .checkpoint.adam_history import replay
+        replay(engine.optimizer)          # CPU FusedAdam's beta powers as the uninterrupted run has them
         if rank == 0:
             print(f"resumed from {load_path} at step {engine.global_steps}", flush=True)
     start = engine.global_steps

@@ -53,3 +53,16 @@ def assert_sum_close(got, terms, *, divide_by=1, what="sum"):
     abs_sum = np.abs(stack).sum(axis=0) / divide_by
     bound = sum_error_bound(abs_sum, len(terms)) + sum_error_bound(abs_sum, len(terms) + 1, np.float64)
     return assert_within(got, exact, bound, what=what)
+
+
+def assert_same_checkpoint_weights(ckpt_a, ckpt_b, tag):
+    """The model checkpoint ``tag`` of ``ckpt_a`` holds, bitwise, in ``ckpt_b``: read through
+    the exporter's loader, so any two layouts (stages, replicas, experts) compare."""
+    import torch
+    from ds_ext.hf_io import load_checkpoint_model
+    a = load_checkpoint_model(str(ckpt_a), tag=tag)[1].state_dict()
+    b = load_checkpoint_model(str(ckpt_b), tag=tag)[1].state_dict()
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
+    differ = {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
+    assert not differ, f"{tag}: {len(differ)} of {len(a)} tensors differ from {ckpt_a} (elements: " \
+                       f"{dict(list(differ.items())[:3])})"

@@ -40,6 +40,7 @@ from ds_ext.checkpoint.load import CheckpointError, UnsafeCheckpointError, check
 from ds_ext.errors import ConfigError
 from ds_ext.hf_io import export_hf
 from tests.mounts import small_tmpfs
+from tests.numerics import assert_same_checkpoint_weights
 from tests.distributed import free_port, run_ranks
 from tests.test_train_e2e import _env, _trainer_rank
 
@@ -115,6 +116,7 @@ def test_moe_resume_from_async_zstd_continues_bitwise(moe):
     full, resumed = moe["full"], moe["resumed"]
     assert resumed["start_step"] == 2 and resumed["steps"] == 2
     assert resumed["losses"] == full["losses"][2:]          # same arithmetic in the same order
+    assert_same_checkpoint_weights(moe["async"], moe["deepspeed"], "global_step4")
     assert resumed["moe"]["expert_load"] == full["moe"]["expert_load"]
     assert (moe["deepspeed"] / "latest").read_text().strip() == "global_step4"
     assert catalog.read_manifest(str(moe["deepspeed"] / "global_step4")) is None     # DeepSpeed's format

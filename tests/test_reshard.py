@@ -28,7 +28,7 @@ import shutil
 import pytest
 
 from tests.distributed import run_ranks
-from tests.numerics import gamma
+from tests.numerics import assert_same_checkpoint_weights, gamma
 from tests.test_train_e2e import _config, _trainer_rank
 
 
@@ -91,6 +91,8 @@ def test_1f1b_resumes_on_fewer_and_more_replicas_and_stages_bitwise(tmp_path):
     assert one["losses"] == full["losses"][3:]
     assert two["losses"] == full["losses"][5:]
     assert three["losses"] == full["losses"][7:]
+    for run in ("two", "three"):      # and every weight (losses alone can hide a last-bit difference)
+        assert_same_checkpoint_weights(tmp_path / "full", tmp_path / run, "global_step8")
     assert max(full["losses"][:2]) > full["losses"][-1]          # it trained
 
 
@@ -105,6 +107,7 @@ def test_moe_in_bf16_resumes_with_expert_parallel_two_on_one_replica_bitwise(tmp
                      ckpt=tmp_path / "resumed", resume_from=tmp_path / "full", step=2)
     assert "expert_parallel_size 2 -> 1" in resumed["stdout"]
     assert resumed["losses"] == full["losses"][2:]
+    assert_same_checkpoint_weights(tmp_path / "full", tmp_path / "resumed", "global_step4")
     # the routers' correction biases came along: the same expert loads after the change
     assert resumed["moe"]["expert_load"] == full["moe"]["expert_load"]
 

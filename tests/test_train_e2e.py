@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import free_port, run_ranks
-from tests.numerics import gamma
+from tests.numerics import assert_same_checkpoint_weights, gamma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -93,26 +93,27 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     cfg = _config(tmp_path, config, mutate)
     full, sfull = tmp_path / "full", tmp_path / "full.json"
     res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
-                    args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(full),
+                    args=(["--deepspeed", cfg, "--steps", "9", "--checkpoint-dir", str(full),
                            "--summary-json", str(sfull)],))
     assert [r[0] for r in res] == [0] * world, res
-    # a run that stopped after step 3: its checkpoint directory as it was then
+    # a run that stopped after step 6: its checkpoint directory as it was then
     part = tmp_path / "part"
     part.mkdir()
-    shutil.copytree(full / "global_step3", part / "global_step3")
-    (part / "latest").write_text("global_step3")
+    shutil.copytree(full / "global_step6", part / "global_step9")
+    (part / "latest").write_text("global_step9")
     spart = tmp_path / "part.json"
     res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
-                    args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(part), "--resume",
+                    args=(["--deepspeed", cfg, "--steps", "9", "--checkpoint-dir", str(part), "--resume",
                            "--summary-json", str(spart)],))
     assert [r[0] for r in res] == [0] * world, res
     assert "resumed from" in res[0][1]
     a, b = json.loads(sfull.read_text()), json.loads(spart.read_text())
-    assert b["start_step"] == 3 and b["steps"] == 3
+    assert b["start_step"] == 6 and b["steps"] == 3
     # equal losses after the restart need the weights, optimizer, scheduler, data position
     # and (MoE) the routers' correction biases all restored
-    assert b["losses"] == a["losses"][3:]          # the same arithmetic in the same order: bitwise
-    assert (part / "latest").read_text().strip() == "global_step6"
+    assert b["losses"] == a["losses"][6:]          # the same arithmetic in the same order: bitwise
+    assert_same_checkpoint_weights(full, part, "global_step9")
+    assert (part / "latest").read_text().strip() == "global_step9"
 
     if pipeline == "tiered":
         return      # the tiered order continues at any batch layout (test_reshard.py)
@@ -122,7 +123,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     other = tmp_path / "other.json"
     other.write_text(json.dumps(changed))
     res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
-                    args=(["--deepspeed", str(other), "--steps", "6", "--checkpoint-dir", str(full), "--resume"],))
+                    args=(["--deepspeed", str(other), "--steps", "9", "--checkpoint-dir", str(full), "--resume"],))
     assert [r[0] for r in res] == [2] * world, res
     lines = res[0][2].strip().splitlines()
     assert len(lines) == 1 and "micro_batch 4 -> 2" in lines[0], res[0][2]
