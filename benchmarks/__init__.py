@@ -9,11 +9,44 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def machine():
+    """The CPU a figure was measured on: model, widest vector ISA it has, the kernels torch
+    dispatches to (ATEN_CPU_CAPABILITY can lower them), cores this process may use."""
+    info, flags = {}, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "cpu MHz") and key not in info:
+                    info[key] = " ".join(value.split())
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    model = info.get("model name", "unknown")
+    if "cpu family" in info:        # virtual machines often report only the brand ("AMD EPYC")
+        model += f" (family {info['cpu family']} model {info.get('model', '?')}"
+        model += f", {float(info['cpu MHz']) / 1000:.1f} GHz)" if "cpu MHz" in info else ")"
+    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sse4_2", "SSE4.2"))
+                if flag in flags), "unknown")
+    import torch
+    return {"cpu": model, "isa": isa, "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+            "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__.split("+")[0]}
+
+
+def machine_line():
+    m = machine()
+    return f"machine: {m['cpu']}, {m['isa']} (torch kernels {m['torch_kernels']}), {m['cores']} cores"
+
+
 def write_figures(path, figures):
-    """Write ``figures`` (plus the command that made them) as JSON to ``path``; None: nothing."""
+    """Write ``figures`` (plus the command that made them and the machine) as JSON to
+    ``path``; None: nothing."""
     if not path:
         return
-    figures = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), **figures}
+    figures = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "machine": machine(),
+               **figures}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(figures, f, indent=2)

@@ -9,7 +9,6 @@ decode tokens/s (prefill excluded; median of interleaved repeats).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -108,6 +107,8 @@ def main():
             "runs_latent": ours, "runs_transformers": theirs,
             "layers": config.num_hidden_layers, "dtype_bytes": fp32,
         }
+    from benchmarks import machine_line
+    print(machine_line())
     print(f"\nbatch 1, fp32 CPU, prompt {args.prompt}, {args.new} decoded tokens, median of {args.repeats}")
     print(f"{'shape':<16} {'cache B/token: latent':>22} {'expanded K/V':>13} {'transformers':>13} "
           f"{'decode tok/s: latent':>21} {'transformers':>13} {'ratio':>6}")
@@ -115,10 +116,8 @@ def main():
         print(f"{name:<16} {r['cache_bytes_per_token_latent']:>22,} {r['cache_bytes_per_token_expanded_kv']:>13,} "
               f"{r['cache_bytes_per_token_transformers']:>13,.0f} {r['decode_tok_s_latent']:>21.1f} "
               f"{r['decode_tok_s_transformers']:>13.1f} {r['decode_tok_s_latent'] / r['decode_tok_s_transformers']:>5.2f}x")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"prompt": args.prompt, "new": args.new, "repeats": args.repeats, "shapes": rows}, f, indent=2)
+    from benchmarks import write_figures
+    write_figures(args.json, {"prompt": args.prompt, "new": args.new, "repeats": args.repeats, "shapes": rows})
 
 
 if __name__ == "__main__":

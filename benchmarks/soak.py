@@ -169,6 +169,8 @@ def main(argv=None):
     with open(os.path.join(work, "s.json")) as f:
         summary = json.load(f)
     committed = [h for h in summary.get("checkpoint_history", []) if h.get("status") == "committed"]
+    from benchmarks import machine_line
+    print(machine_line())
     print(f"\n{args.steps} steps on {args.world} ranks in {wall / 60:.1f} min; {len(committed)} checkpoints committed; "
           f"the end compared with step {args.early}")
     print(f"{'rank':>4}  {'peak RSS @' + str(args.early):>14}  {'peak RSS end':>12}  {'growth':>7}  "

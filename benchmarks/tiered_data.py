@@ -143,6 +143,8 @@ def main(argv=None):
                   + (f" | hit rate {100 * row['hit_rate']:.1f} %" if row["hit_rate"] is not None else ""), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    from benchmarks import machine_line
+    print(machine_line())
     print()
     print(f"{'mode':>18} {'waiting %':>10} {'MB from cold':>13} {'hit rate %':>11}")
     for row in rows:
