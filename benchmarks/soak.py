@@ -9,9 +9,11 @@ descriptors (psutil) and the entries of /dev/shm; the step comes from rank 0's p
 lines (log interval 10). Reported per rank at the --early step (200) and at the end (20
 steps before the last, so that the final save and the shutdown are not in it):
 peak RSS so far, open descriptors (least and most over the last 10 s: a save in flight
-holds a few for a moment), and the shared-memory entries; the goal is under 5 %
-peak-RSS growth from step 200 to the end, and descriptors and /dev/shm unchanged. A
-benchmark, not a test: about 20 minutes on 2 cores for 2,000 steps.
+holds a few for a moment), and the shared-memory entries. The goal: under 5 % peak-RSS
+growth from step 200 to the end; no rank's resting descriptor count (the least over the
+window) above its count at step 200; nothing in /dev/shm at the end or after exit that
+was not there before the run (other programs' transient entries come and go). A
+benchmark, not a test: about 40 minutes on 2 cores for 2,000 steps.
 """
 
 import argparse
@@ -182,10 +184,11 @@ def main(argv=None):
     print(f"/dev/shm: {len(shm_before)} entries before, {len(early['dev_shm'])} at step {args.early}, "
           f"{len(end['dev_shm'])} at the end, {len(shm_after)} after exit")
     worst = max(r["growth"] for r in rows)
-    fds_same = all(r["open_fds_early"] == r["open_fds_end"] for r in rows)
-    print(f"goal (peak RSS growth under 5 %, descriptors and /dev/shm unchanged): "
-          f"{'met' if worst < 0.05 and fds_same and early['dev_shm'] == end['dev_shm'] == shm_after else 'NOT met'}"
-          f" (worst growth {worst:+.2%})")
+    fds_held = all(r["open_fds_end"] <= r["open_fds_early"] for r in rows)
+    shm_left = sorted((set(end["dev_shm"]) | set(shm_after)) - set(shm_before))
+    print(f"goal (peak RSS growth under 5 %, no more resting descriptors, nothing new left in /dev/shm): "
+          f"{'met' if worst < 0.05 and fds_held and not shm_left else 'NOT met'} (worst growth {worst:+.2%}; "
+          f"descriptors {'held' if fds_held else 'grew'}; /dev/shm left: {shm_left or 'nothing'})")
     write_figures(args.json, {"steps": args.steps, "early_step": args.early, "world": args.world,
                               "interval": args.interval, "wall_s": wall, "committed_checkpoints": len(committed),
                               "ranks": rows, "dev_shm_before": shm_before, "dev_shm_early": early["dev_shm"],
