@@ -91,7 +91,7 @@ def test_1f1b_resumes_on_fewer_and_more_replicas_and_stages_bitwise(tmp_path):
     assert one["losses"] == full["losses"][3:]
     assert two["losses"] == full["losses"][5:]
     assert three["losses"] == full["losses"][7:]
-    for run in ("two", "three"):      # and every weight (losses alone can hide a last-bit difference)
+    for run in ("one", "two", "three"):      # and every weight (losses alone can hide a last-bit difference)
         assert_same_checkpoint_weights(tmp_path / "full", tmp_path / run, "global_step8")
     assert max(full["losses"][:2]) > full["losses"][-1]          # it trained
 
