@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -179,7 +179,6 @@ def main(argv=None):
     init_distributed("gloo")
     engine = _build(args)
     params = sum(p.numel() for p in engine.module.parameters())
-    from benchmarks import machine_line
     print(machine_line())
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters; AdamW, "
           f"ZeRO-1, fp32: {16 * params / 1e9:.2f} GB of state", flush=True)

@@ -31,6 +31,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import machine_line, write_figures  # noqa: E402
+
 METHODS = {
     "deepspeed-dense": None,
     "fp32-hier": {"compressor": "fp32", "hierarchical": True},
@@ -310,7 +312,6 @@ def main():
     nodes, per_node = layout
     dense = next((r for r in rows if r["method"] == "deepspeed-dense"), None)
     compute = statistics.median(r["compute_s"] for r in rows)
-    from benchmarks import machine_line
     print(machine_line())
     print(f"\n25.2M-parameter MLP, fp32, batch {BATCH} per rank, {nodes} node(s) x {per_node} ranks ({where}); "
           f"compute alone {compute * 1e3:.0f} ms per step; median of {args.steps} steps (slowest rank)")
@@ -325,7 +326,6 @@ def main():
               f"{r['step_speedup_vs_dense']:12.1f}x {r['compressor_cpu_s']:6.3f} "
               f"{r['inter_node_bytes_per_node_step'] / 1e6:19.2f}")
     scaling = _scaling_table(rows, nodes=nodes, per_node=per_node) if not args.loopback else None
-    from benchmarks import write_figures
     write_figures(args.json, {"where": where, "nodes": nodes, "ranks_per_node": per_node, "rows": rows,
                               "inter_node_scaling": scaling})
 

@@ -19,6 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import machine_line, write_figures  # noqa: E402
 from recipes import deepseek_v3  # noqa: E402
 from recipes.layers.hf import copy_into_transformers  # noqa: E402
 from recipes.layers.latent_kv import LatentKVCache, MLADecoder, full_kv_bytes_per_token  # noqa: E402
@@ -107,7 +108,6 @@ def main():
             "runs_latent": ours, "runs_transformers": theirs,
             "layers": config.num_hidden_layers, "dtype_bytes": fp32,
         }
-    from benchmarks import machine_line
     print(machine_line())
     print(f"\nbatch 1, fp32 CPU, prompt {args.prompt}, {args.new} decoded tokens, median of {args.repeats}")
     print(f"{'shape':<16} {'cache B/token: latent':>22} {'expanded K/V':>13} {'transformers':>13} "
@@ -116,7 +116,6 @@ def main():
         print(f"{name:<16} {r['cache_bytes_per_token_latent']:>22,} {r['cache_bytes_per_token_expanded_kv']:>13,} "
               f"{r['cache_bytes_per_token_transformers']:>13,.0f} {r['decode_tok_s_latent']:>21.1f} "
               f"{r['decode_tok_s_transformers']:>13.1f} {r['decode_tok_s_latent'] / r['decode_tok_s_transformers']:>5.2f}x")
-    from benchmarks import write_figures
     write_figures(args.json, {"prompt": args.prompt, "new": args.new, "repeats": args.repeats, "shapes": rows})
 
 

@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import free_port, write_figures  # noqa: E402
+from benchmarks import free_port, machine_line, write_figures  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -171,7 +171,6 @@ def main(argv=None):
     with open(os.path.join(work, "s.json")) as f:
         summary = json.load(f)
     committed = [h for h in summary.get("checkpoint_history", []) if h.get("status") == "committed"]
-    from benchmarks import machine_line
     print(machine_line())
     print(f"\n{args.steps} steps on {args.world} ranks in {wall / 60:.1f} min; {len(committed)} checkpoints committed; "
           f"the end compared with step {args.early}")

@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures  # noqa: E402
 
 MODES = ("direct", "lru", "lru+prefetch", "next-use+prefetch")
 
@@ -143,7 +143,6 @@ def main(argv=None):
                   + (f" | hit rate {100 * row['hit_rate']:.1f} %" if row["hit_rate"] is not None else ""), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    from benchmarks import machine_line
     print(machine_line())
     print()
     print(f"{'mode':>18} {'waiting %':>10} {'MB from cold':>13} {'hit rate %':>11}")
