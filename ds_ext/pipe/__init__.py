@@ -31,10 +31,21 @@ def pipeline_module_class(schedule):
                 parts = getattr(self.loss_fn, "additional_losses", None)
                 return parts() if parts is not None else None
 
+        from .overlap import PerThread
+
         class _FastPhaseSwitch:
             """DualPipeV switches phase around every compute instruction; its plain
             attributes need not go through nn.Module.__setattr__'s module/parameter
-            bookkeeping (several hundred calls per step)."""
+            bookkeeping (several hundred calls per step). They are per thread while an
+            F&B chunk is interleaved (ds_ext/pipe/overlap.py): its forward and backward
+            halves run different phases at the same time."""
+
+            active_phase = PerThread()
+            forward_funcs = PerThread()
+            is_checkpointable_results = PerThread()
+            _local_start = PerThread()
+            _local_stop = PerThread()
+            curr_layer = PerThread()
 
             def activate_phase(self, phase):
                 set_ = object.__setattr__

@@ -7,7 +7,13 @@ to ``WeightPass`` slots, F&B chunks run through the module's
 transfers are posted asynchronously at each CommitP2P and waited for only where their
 tensors are used (a forward waits for its activations, a backward for its output
 gradients; sends complete in the background and are all waited for before the
-gradient reduction), so transfers run while the rank computes.
+gradient reduction), so transfers run while the rank computes. With ``overlap="layer"``
+an F&B chunk's forward and backward are interleaved layer by layer
+(ds_ext/pipe/overlap.py), so each expert-parallel all-to-all of one micro-batch is in
+flight while the other computes.
+
+Every engine records the MoE all-to-alls into its timeline when one is set
+(``--pipe-trace``): issued to waited, and the part the rank was blocked on.
 """
 
 import time
@@ -16,8 +22,13 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from ds_ext.comm import alltoall
+
 from . import schedules
+from .overlap import Interleaver, PerThread
 from .zero_bubble import WeightGradStore
+
+OVERLAP_MODES = ("none", "layer")
 
 
 class InstructionTimeline:
@@ -40,13 +51,14 @@ class _TimedSchedule:
             return super()._exec_schedule(pipe_schedule)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                if type(cmd) not in self._INSTRUCTION_MAP:
-                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
-                start = time.perf_counter()
-                self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
-                self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
+        with alltoall.recording(self.timeline):
+            for step_cmds in pipe_schedule:
+                for cmd in step_cmds:
+                    if type(cmd) not in self._INSTRUCTION_MAP:
+                        raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
+                    start = time.perf_counter()
+                    self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+                    self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
 
 
 class _KeepAlive:
@@ -64,9 +76,15 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
     # receives are posted this many CommitP2P groups ahead of their own (see _exec_schedule)
     PREPOST_GROUPS = 2
 
-    def __init__(self, *args, zero_bubble=True, overlap_p2p=True, **kwargs):
+    # the phase an interleaved F&B chunk's two halves each run (DualPipeVEngine's state)
+    _active_phase = PerThread()
+
+    def __init__(self, *args, zero_bubble=True, overlap_p2p=True, overlap="none", **kwargs):
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap {overlap!r}: choose one of {list(OVERLAP_MODES)}")
         self._zero_bubble = zero_bubble
         self._overlap = overlap_p2p
+        self._interleaver = Interleaver() if overlap == "layer" else None
         self._p2p_keys = []
         self._pending_recv = {}
         self._pending_sends = []
@@ -91,7 +109,10 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
         link, receives keep their order, so they still pair with the same sends."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
-        cmds = [cmd for step in pipe_schedule.steps() for cmd in step]
+        with alltoall.recording(self.timeline):
+            self._exec_commands([cmd for step in pipe_schedule.steps() for cmd in step])
+
+    def _exec_commands(self, cmds):
         commits = [i for i, cmd in enumerate(cmds) if isinstance(cmd, ds_schedule.CommitP2P)]
         early = set()
         prepost = self._overlap and self.PREPOST_GROUPS > 0 and None not in self._recv_specs
@@ -216,7 +237,11 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
             self._exec_backward_pass(bwd_buffer, bwd_phase)
 
         hook = getattr(self.module, "overlapped_forward_backward", None)
-        if hook is None:
+        if self._interleaver is not None:
+            # the forward half first: DeepSpeed's forward resets ZeRO's backward-hook
+            # bookkeeping, which must not happen in the middle of the other half's backward
+            self._interleaver.run(forward, backward)
+        elif hook is None:
             forward()
             backward()
         else:
@@ -355,18 +380,21 @@ class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
     }
 
 
-def _engine_class(schedule):
+def _engine_class(schedule, overlap="none"):
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from ds_ext.comm.install import CompressedReduction
     from ds_ext.checkpoint.engine import AsyncCheckpointing
+    if overlap != "none" and schedule not in ("dualpipev-zb", "dualpipe"):
+        raise ValueError(f"overlap {overlap!r} interleaves F&B chunks, which only schedules dualpipev-zb and dualpipe "
+                         f"have; schedule {schedule!r} takes overlap 'none'")
     if schedule == "1f1b":
         base, extra = (_TimedSchedule, PipelineEngine), {}
     elif schedule == "dualpipev":
         base, extra = (_TimedSchedule, DualPipeVEngine), {}
     elif schedule == "dualpipev-zb":
-        base, extra = (SeekspeedDualPipeVEngine, ), {"zero_bubble": True, "overlap_p2p": True}
+        base, extra = (SeekspeedDualPipeVEngine, ), {"zero_bubble": True, "overlap_p2p": True, "overlap": overlap}
     elif schedule == "dualpipe":
-        base, extra = (SeekspeedDualPipeEngine, ), {"zero_bubble": True, "overlap_p2p": True}
+        base, extra = (SeekspeedDualPipeEngine, ), {"zero_bubble": True, "overlap_p2p": True, "overlap": overlap}
     else:
         raise ValueError(f"no engine for schedule {schedule!r}")
     names = {"1f1b": "SeekspeedPipelineEngine", "dualpipev": "SeekspeedDualPipeVEngineAsIs"}
@@ -375,9 +403,11 @@ def _engine_class(schedule):
     return type(name, (AsyncCheckpointing, CompressedReduction) + base, {}), extra
 
 
-def initialize(*, model, config, model_parameters, schedule, comm=None, checkpoint=None, node_of=None, log=print):
+def initialize(*, model, config, model_parameters, schedule, overlap="none", comm=None, checkpoint=None, node_of=None,
+               log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
-    needs; when ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
+    needs (``overlap`` "layer": F&B chunks interleaved, see ds_ext/pipe/overlap.py); when
+    ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
     compressed gradient reduction; when ``checkpoint`` (a ``seekspeed.checkpoint``
     section) names engine async-zstd, that checkpoint engine. Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
@@ -386,7 +416,7 @@ def initialize(*, model, config, model_parameters, schedule, comm=None, checkpoi
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime import zero
     from ds_ext.comm.install import install
-    engine_cls, extra = _engine_class(schedule)
+    engine_cls, extra = _engine_class(schedule, overlap)
     zero.partition_parameters.shutdown_init_context()
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.comm import alltoall
 from ds_ext.pipe.zero_bubble import linear
 
 from .mlp import ACTIVATIONS, SwiGLU
@@ -120,25 +121,6 @@ class ExpertMLP(nn.Module):
         return linear(self.act_fn(gate) * up, self.down_proj)
 
 
-class _AllToAll(torch.autograd.Function):
-    """deepspeed.comm.all_to_all_single with uneven splits, differentiable (the
-    backward sends gradients back along the reverse splits)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        from deepspeed import comm as dist
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
-
-
 def _moe_base():
     from deepspeed.moe.layer import MoE
     return MoE
@@ -204,34 +186,39 @@ class DeepSeekMoE(_moe_base()):
                                f"this layer was built for: the rank layout is not pipe x data")
 
     def forward(self, x):
+        """Routed experts plus the shared expert. The token all-to-alls are asynchronous:
+        the dispatch is in flight while the shared expert computes (forward, and in the
+        backward the reverse dispatch while the shared expert's backward runs), and
+        inside an interleaved F&B chunk (ds_ext.pipe.overlap) every all-to-all lets the
+        other micro-batch compute. Tokens are permuted once each way (a gather sorted by
+        expert before the dispatch, an index_add after the combine)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
-        routed = self._routed(flat, weights, indices)
-        return routed.view(shape) + self.shared_mlp(x)
-
-    def _routed(self, x, weights, indices):
         tokens, k = indices.shape
         flat_experts = indices.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)        # by expert, so by destination rank
         token_of = order // k
         per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
-        sent = x[token_of]
-        if self.ep_size == 1:
-            received, counts = sent, per_expert.view(1, -1)
-        else:
-            from deepspeed import comm as dist
-            counts = torch.empty_like(per_expert)
-            dist.all_to_all_single(counts, per_expert, group=self.ep_group)   # [source, local expert] counts
-            counts = counts.view(self.ep_size, self.num_local_experts)
-            send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
-            recv_splits = counts.sum(1).tolist()
-            received = _AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)
+        group = self.ep_group if self.ep_size > 1 else None
+        counts = alltoall.start(per_expert, out_splits=[self.num_local_experts] * self.ep_size,
+                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts")
+        sent = flat[token_of]
+        counts = counts.wait().view(self.ep_size, self.num_local_experts)   # [source, local expert] counts
+        send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
+        recv_splits = counts.sum(1).tolist()
+        route = dict(out_splits=recv_splits, in_splits=send_splits, group=group, label="dispatch")
+        slot = alltoall.Slot()
+        received = alltoall.dispatch(sent, slot, **route)
+        shared = self.shared_mlp(x)
+        received = alltoall.arrive(received, slot, **route)
         outputs = self._run_experts(received, counts.tolist())
-        if self.ep_size > 1:
-            outputs = _AllToAll.apply(outputs, send_splits, recv_splits, self.ep_group)
+        back = dict(out_splits=send_splits, in_splits=recv_splits, group=group, label="combine")
+        slot = alltoall.Slot()
+        outputs = alltoall.arrive(alltoall.dispatch(outputs, slot, **back), slot, **back)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, token_of, (outputs * scale).to(x.dtype))
+        routed = torch.zeros_like(flat).index_add(0, token_of, (outputs * scale).to(flat.dtype))
+        return routed.view(shape) + shared
 
     def _run_experts(self, received, counts):
         """The routed experts on ``received``: rows grouped by source rank, then by local

@@ -1,0 +1,157 @@
+"""Layer-level forward/backward overlap for F&B chunks (``seekspeed.overlap: "layer"``).
+
+DeepSeek-V3's DualPipe puts the forward of one micro-batch and the backward of another
+into one chunk so that the expert-parallel all-to-alls of one run while the other
+computes. Here the two halves run on two threads that take turns (a baton; never both
+at once): the forward on the calling thread, the backward (autograd included) on a
+worker thread. A half hands the baton over right after it has issued an asynchronous
+collective (``switch``, called by ds_ext.comm.alltoall), and waits for that
+collective's result only where it is used, by which time the other half has computed.
+So each dispatch and combine of one micro-batch is in flight while the other
+micro-batch runs its attention, router, experts and their backward.
+
+Both halves issue their collectives in one order fixed by the code (every replica of a
+stage switches at the same points), so the ranks of an expert-parallel group always
+agree on the order of their all-to-alls. The same path serves gloo (its own threads move
+the bytes while the baton holder computes) and NCCL (collectives on NCCL's stream, work
+objects waited for on the compute stream).
+
+State that the two halves must not share (the pipeline phase of DualPipeV's engine and
+module) is declared ``PerThread``: while an interleave runs, each half reads and writes
+its own copy, falling back to the value set before the chunk began.
+"""
+
+import queue
+import threading
+
+_local = threading.local()
+_MISSING = object()
+
+
+def switch():
+    """Hand the baton to the other half of the running F&B chunk, if there is one and it
+    has not finished, and return when it is handed back. A no-op outside an interleave."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is not None:
+        ctx[0]._yield(ctx[1])
+
+
+def interleaving():
+    """True on a thread that runs one half of an interleaved F&B chunk."""
+    return getattr(_local, "ctx", None) is not None
+
+
+class PerThread:
+    """Data descriptor: one value per interleave half while a chunk is interleaved, the
+    shared value otherwise (and as each half's starting value)."""
+
+    def __set_name__(self, owner, name):
+        self.name, self.key = name, "_shared_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        values = getattr(_local, "values", None)
+        if values is not None:
+            value = values.get((id(obj), self.name), _MISSING)
+            if value is not _MISSING:
+                return value
+        try:
+            return obj.__dict__[self.key]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj, value):
+        values = getattr(_local, "values", None)
+        if values is not None:
+            values[(id(obj), self.name)] = value
+        else:
+            obj.__dict__[self.key] = value
+
+
+class _Worker:
+    """One long-lived thread per process for the backward halves (an OpenMP team and
+    autograd's thread state set up once, not per chunk)."""
+
+    _instance = None
+
+    def __init__(self):
+        self.tasks = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="seekspeed-fb-backward", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _loop(self):
+        import torch
+        while True:
+            fn, num_threads = self.tasks.get()
+            if torch.get_num_threads() != num_threads:
+                torch.set_num_threads(num_threads)
+            fn()
+
+
+class Interleaver:
+    """Runs F&B chunks as two halves that take turns at ``switch()`` points.
+
+    ``run(first, second)``: ``first`` on this thread (it starts), ``second`` on the
+    worker. Exceptions of either half are raised here once both have stopped."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._done = [True, True]
+
+    def _wait_turn(self, role):
+        while self._turn != role:
+            self._cond.wait()
+
+    def _yield(self, role):
+        with self._cond:
+            if self._done[1 - role]:
+                return
+            self._turn = 1 - role
+            self._cond.notify_all()
+            self._wait_turn(role)
+
+    def _finish(self, role):
+        with self._cond:
+            self._done[role] = True
+            self._turn = 1 - role
+            self._cond.notify_all()
+
+    def _half(self, role, fn, errors):
+        _local.ctx, _local.values = (self, role), {}
+        try:
+            fn()
+        except BaseException as exc:      # surfaced by run(); the other half still finishes
+            errors[role] = exc
+        finally:
+            del _local.ctx, _local.values
+            self._finish(role)
+
+    def run(self, first, second):
+        import torch
+        if interleaving():
+            raise RuntimeError("an F&B chunk started inside another interleaved chunk")
+        errors = [None, None]
+        with self._cond:
+            self._turn, self._done = 0, [False, False]
+
+        def backward_half():
+            with self._cond:
+                self._wait_turn(1)
+            self._half(1, second, errors)
+
+        _Worker.get().tasks.put((backward_half, torch.get_num_threads()))
+        self._half(0, first, errors)
+        with self._cond:
+            while not self._done[1]:
+                self._cond.wait()
+        for exc in errors:
+            if exc is not None:
+                raise exc
