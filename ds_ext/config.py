@@ -5,7 +5,8 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
 
     "seekspeed": {
       "recipe":     {"name": "deepseek_v3", "preset": "tiny", "overrides": {...}},
-      "schedule":   "1f1b" | "dualpipev" | "dualpipev-zb",
+      "schedule":   "1f1b" | "dualpipev" | "dualpipev-zb" | "dualpipe",
+      "overlap":    "auto" | "layer" | "none",
       "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .pipe import SCHEDULES, check_micro_batches, check_schedule
+
+OVERLAP_CHOICES = ("auto", "layer", "none")
+OVERLAP_SCHEDULES = ("dualpipev-zb", "dualpipe")
 from .schema import from_dict
 
 SECTION = "seekspeed"
@@ -324,6 +328,9 @@ class ReportSection:
 class SeekspeedSection:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     schedule: str = "1f1b"
+    # F&B chunks of dualpipev-zb/dualpipe interleaved per layer ("layer"), or not ("none");
+    # "auto": "layer" when the model has MoE layers and expert_parallel_size > 1
+    overlap: str = "auto"
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -338,6 +345,24 @@ class SeekspeedSection:
     def check(self, where):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{where}.schedule: unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+        _check_choices(where, self, overlap=OVERLAP_CHOICES)
+
+    def resolve_overlap(self, *, has_moe, where="seekspeed"):
+        """The overlap mode this run uses ("layer" or "none"); an explicit "layer" that
+        the schedule or the model cannot use is refused."""
+        ep = self.moe.expert_parallel_size
+        if self.overlap == "auto":
+            return "layer" if self.schedule in OVERLAP_SCHEDULES and has_moe and ep > 1 else "none"
+        if self.overlap == "layer":
+            if self.schedule not in OVERLAP_SCHEDULES:
+                raise ConfigError(f"{where}.overlap 'layer' interleaves F&B chunks, which only schedules "
+                                  f"{' and '.join(OVERLAP_SCHEDULES)} run; schedule {self.schedule!r} takes 'none' "
+                                  f"(its all-to-alls still overlap the shared expert)")
+            if not has_moe or ep == 1:
+                raise ConfigError(f"{where}.overlap 'layer' hides expert-parallel all-to-alls, and this run has none "
+                                  f"({'no MoE layers' if not has_moe else 'moe.expert_parallel_size 1'}): set overlap "
+                                  f"'none' or raise moe.expert_parallel_size")
+        return self.overlap
 
 
 @dataclass(kw_only=True)

@@ -92,6 +92,7 @@ def validate(args, *, world_size):
     if model_config.num_moe_layers() and model_config.n_routed_experts % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide n_routed_experts "
                           f"{model_config.n_routed_experts}: choose a divisor of {model_config.n_routed_experts}")
+    s.overlap = s.resolve_overlap(has_moe=model_config.num_moe_layers() > 0)
     check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0))
     from .topology.setup import check as check_topology
     check_topology(s.topology, model_config=model_config)
@@ -513,7 +514,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
 
     ds_config = {k: v for k, v in cfg.ds.items() if k != "seekspeed"}
     from .pipe.engine import initialize
-    engine = initialize(model=model, config=ds_config, schedule=s.schedule,
+    from .pipe.overlap import check_splittable
+    if s.overlap == "layer":
+        check_splittable(model)
+        if rank == 0:
+            print("overlap: layer (each F&B chunk's forward and backward take turns at every expert all-to-all)",
+                  flush=True)
+    engine = initialize(model=model, config=ds_config, schedule=s.schedule, overlap=s.overlap,
                         model_parameters=[p for p in model.parameters() if p.requires_grad], comm=s.comm,
                         checkpoint=s.checkpoint if s.checkpoint.dir else None, node_of=topo.node_of, log=lambda line: print(line, flush=True))
     if engine.has_moe_layers and rank == 0:

@@ -302,3 +302,27 @@ def test_every_shipped_config_passes_deepspeeds_checks(name, world):
 def test_bad_learning_rate_fails_through_validate_and_writes_nothing(tmp_path, capsys):
     line = _main_error(tmp_path, capsys, lambda c: c["optimizer"]["params"].update(lr="fast"))
     assert line.startswith('error: optimizer.params.lr "fast"')
+
+
+def test_overlap_choices_and_refusals(tmp_path):
+    assert "seekspeed.overlap 'layers' is not one of ['auto', 'layer', 'none']" in _error(
+        tmp_path, lambda c: c["seekspeed"].update(overlap="layers"))
+
+    def section(schedule, overlap, ep):
+        def mutate(c):
+            c["seekspeed"].update(schedule=schedule, overlap=overlap)
+            c["seekspeed"]["moe"] = {"expert_parallel_size": ep}
+            c["gradient_accumulation_steps"] = 8
+        return load_config(_write(tmp_path, mutate), world_size=4).section
+
+    assert section("dualpipev-zb", "auto", 2).resolve_overlap(has_moe=True) == "layer"
+    assert section("dualpipe", "auto", 2).resolve_overlap(has_moe=True) == "layer"
+    assert section("dualpipev-zb", "auto", 1).resolve_overlap(has_moe=True) == "none"
+    assert section("1f1b", "auto", 2).resolve_overlap(has_moe=True) == "none"
+    assert section("dualpipev-zb", "none", 2).resolve_overlap(has_moe=True) == "none"
+    with pytest.raises(ConfigError, match="only schedules dualpipev-zb and dualpipe run; schedule '1f1b' takes 'none'"):
+        section("1f1b", "layer", 2).resolve_overlap(has_moe=True)
+    with pytest.raises(ConfigError, match=r"this run has none \(no MoE layers\)"):
+        section("dualpipev-zb", "layer", 2).resolve_overlap(has_moe=False)
+    with pytest.raises(ConfigError, match=r"moe.expert_parallel_size 1"):
+        section("dualpipe", "layer", 1).resolve_overlap(has_moe=True)

@@ -98,3 +98,19 @@ def test_layer_overlap_trains_as_sequential(schedule, mtp):
                                     f"halves ran them one after the other"
         chunks += both
     assert chunks > 0, "no F&B chunk had MoE layers in both halves: the case tests no interleaving"
+
+
+def test_layer_that_cannot_be_split_is_refused():
+    from deepspeed.moe.layer import MoE
+    from ds_ext.errors import ConfigError
+    from ds_ext.pipe.overlap import check_splittable
+    from recipes import deepseek_v3
+    from recipes.layers.moe import DeepSeekMoE
+
+    class BlockingMoE(MoE):       # a DeepSpeed MoE layer whose all-to-alls block
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    check_splittable(torch.nn.Sequential(DeepSeekMoE(deepseek_v3.make_config("tiny-moe"))))
+    with pytest.raises(ConfigError, match=r"BlockingMoE \(1\) runs its all-to-alls synchronously.*set overlap 'none'"):
+        check_splittable(torch.nn.Sequential(torch.nn.Linear(2, 2), BlockingMoE()))

@@ -69,6 +69,19 @@ class PerThread:
             obj.__dict__[self.key] = value
 
 
+def check_splittable(module):
+    """Refuse, naming the class, an expert-parallel MoE layer whose all-to-alls do not go
+    through ds_ext.comm.alltoall (so they would block without letting the other half run)."""
+    from deepspeed.moe.layer import MoE
+    from ds_ext.errors import ConfigError
+    for name, m in module.named_modules():
+        if isinstance(m, MoE) and not getattr(m, "async_all_to_all", False):
+            raise ConfigError(f"seekspeed.overlap 'layer': {type(m).__name__} ({name}) runs its all-to-alls "
+                              f"synchronously, so an F&B chunk cannot switch halves at them; issue them through "
+                              f"ds_ext.comm.alltoall (dispatch/arrive, as recipes/layers/moe.py DeepSeekMoE does) "
+                              f"and set async_all_to_all = True on the class, or set overlap 'none'")
+
+
 class _Worker:
     """One long-lived thread per process for the backward halves (an OpenMP team and
     autograd's thread state set up once, not per chunk)."""

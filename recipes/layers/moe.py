@@ -135,6 +135,10 @@ class DeepSeekMoE(_moe_base()):
     code expects); with expert-parallel degree P this rank holds experts
     [ep_rank * E/P, (ep_rank + 1) * E/P) and tokens reach them by all-to-all."""
 
+    # its all-to-alls go through ds_ext.comm.alltoall: an interleaved F&B chunk can
+    # switch halves at them (ds_ext/pipe/overlap.py)
+    async_all_to_all = True
+
     def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0):
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
