@@ -205,8 +205,10 @@ class DeepSeekMoE(_moe_base()):
         token_of = order // k
         per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
         group = self.ep_group if self.ep_size > 1 else None
+        # the counts are a few bytes: waited for at once (no hand-over), they cost one latency
         counts = alltoall.start(per_expert, out_splits=[self.num_local_experts] * self.ep_size,
-                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts")
+                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts",
+                                hand_over=False)
         sent = flat[token_of]
         counts = counts.wait().view(self.ep_size, self.num_local_experts)   # [source, local expert] counts
         send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
