@@ -234,3 +234,22 @@ def test_too_large_config_is_refused(tmp_path, capsys):
     with_1 = make_plan(os.path.join(ROOT, "ds_configs", "128node.json"), nodes=128, ranks_per_node=8)
     assert every_2.fits and all(a.activations_checkpointed < b.activations_checkpointed or a.rank == 0
                                 for a, b in zip(with_1.stages, every_2.stages))
+
+
+def test_all_to_all_charged_only_where_no_compute_covers_it(tmp_path):
+    """MoE with expert parallelism across nodes: the all-to-all in flight is the same
+    whatever the overlap; overlap none charges it less the dispatch the shared expert
+    covers, overlap layer also less what the other half of each F&B chunk covers, and an
+    F&B chunk costs its two halves' compute plus the uncovered remainder, by hand."""
+    plans = {}
+    for overlap in ("none", "layer"):
+        path = _config(tmp_path, "tiny_moe_cpu.json", **{"seekspeed.moe": {"expert_parallel_size": 2},
+                                                         "seekspeed.schedule": "dualpipev-zb",
+                                                         "seekspeed.overlap": overlap,
+                                                         "gradient_accumulation_steps": 8})
+        plans[overlap] = make_plan(path, nodes=2, ranks_per_node=2, hardware=Hardware(inter_gbps=0.05))
+    note = {k: next(n for n in p.notes if n.startswith("expert all-to-all")) for k, p in plans.items()}
+    wait = {k: next(g.seconds for g in p.traffic if g.group == "expert all-to-all") for k, p in plans.items()}
+    flight = {k: float(note[k].split(" ms per step in flight")[0].split(": ")[1].replace(",", "")) for k in note}
+    assert flight["none"] == flight["layer"] > wait["none"] * 1e3 > wait["layer"] * 1e3 > 0
+    assert plans["layer"].makespan < plans["none"].makespan

@@ -139,7 +139,8 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, Bi=None, c
     """Run the schedule's op sequences against the costs; returns a Result. ``F``,
     ``B``, ``W`` (and ``Bi``) are one cost for every chunk, or a list with one per
     virtual stage (unbalanced stages); an F&B chunk then costs its forward's F plus its
-    backward's B. ``Bi``, the input-gradient-only backward of a deferring chunk, is
+    backward's B, or ``FB`` (one cost, or a function of the forward's and the backward's
+    virtual stage). ``Bi``, the input-gradient-only backward of a deferring chunk, is
     B - W unless given (a measured engine adds its own fixed cost to each)."""
     def at(cost, stage):
         return cost[stage] if isinstance(cost, (list, tuple)) else cost
@@ -161,7 +162,9 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, Bi=None, c
             return input_grad(op.stage)
         if op.kind == "W":
             return at(W, op.stage)
-        return FB if FB is not None else at(F, op.stage) + at(B, op.stage2)    # "FB"
+        if callable(FB):                                                       # "FB"
+            return FB(op.stage, op.stage2)
+        return FB if FB is not None else at(F, op.stage) + at(B, op.stage2)
 
     sim = _Simulation(schedule, ranks, num_stages, comm)
     index = [0] * ranks

@@ -29,6 +29,15 @@ compressor's collective and payload; hierarchical: dense inside the node, the ra
 across), plus the optimizer step (memory bound). Compute runs at
 ``peak_tflops x efficiency``; FLOPs are 2 per activated parameter and token forward
 and causal attention's S^2 terms.
+
+Expert all-to-all (expert parallelism > 1): each MoE layer moves the routed tokens'
+hidden states out and back (dispatch, combine), forward and backward, over the links
+its expert-parallel group spans. A chunk is charged only what no compute covers: the
+dispatch less the shared expert's time (its backward: twice that), the combine in
+full; with ``seekspeed.overlap: "layer"`` an F&B chunk whose two halves both hold MoE
+layers is charged max(0, each half's remaining all-to-all - the other half's compute),
+from the chunk's totals (not layer by layer, so it is optimistic where one layer's
+all-to-all is longer than the other half's compute between two switches).
 """
 
 from dataclasses import asdict, dataclass, field
@@ -317,31 +326,51 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     def node(stage, data):
         return rank_of(placement, stage=stage, data=data, pp=pp, dp=dp) // ranks_per_node
 
-    # Per-chunk costs (seconds per micro-batch) for the simulator.
+    # Per-chunk costs (seconds per micro-batch) for the simulator. The all-to-all is
+    # charged only where no compute covers it (see _a2a_costs).
     a2a_layer = 0.0            # one MoE layer's dispatch + combine for one micro-batch, one pass
     a2a_bw = hw.intra_gbps * GB
     if ep > 1 and mc.num_moe_layers():
         a2a_bw = (hw.inter_gbps if len({node(0, d) for d in range(ep)}) > 1 else hw.intra_gbps) * GB
         a2a_layer = 2 * tokens * mc.num_experts_per_tok * h * a * (ep - 1) / ep
     recompute_passes = 1 if interval > 0 else 0
-    F, B, W = [], [], []
+    overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0) if s.overlap != "none" else "none"
+    shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.flops
+    F, B, W, compute_f, compute_b, a2a_f, a2a_b, exposed_f, exposed_b = ([] for _ in range(9))
     for rows in chunks:
         attention = sum(attention_flops(mc, seq_len=lay.seq_len) / 2 for r in rows if r["kind"] in CHECKPOINTABLE)
         weights = 2 * tokens * sum(r["active"] for r in rows)
         forward = (weights + 2 * tokens * attention) / hw.flops
         moe_layers = sum(1 for r in rows if r["kind"].endswith("moe"))
-        a2a = moe_layers * a2a_layer / a2a_bw
-        F.append(forward + a2a)
-        B.append((2 + recompute_passes) * forward + (1 + recompute_passes) * a2a)
+        cost = _a2a_costs(moe_layers=moe_layers, dispatch=a2a_layer / 2 / a2a_bw, shared_forward=shared_forward,
+                          recompute_passes=recompute_passes)
+        compute_f.append(forward)
+        compute_b.append((2 + recompute_passes) * forward)
+        a2a_f.append(cost["forward"])
+        a2a_b.append(cost["backward"])
+        exposed_f.append(cost["forward_exposed"])
+        exposed_b.append(cost["backward_exposed"])
+        F.append(forward + cost["forward_exposed"])
+        B.append(compute_b[-1] + cost["backward_exposed"])
         W.append(weights / hw.flops)
+
+    def fb_cost(sf, sb):
+        """An F&B chunk: interleaved (overlap "layer"), each half's all-to-alls run while
+        the other half computes, when both halves have some; counted from the chunk's
+        totals, not layer by layer."""
+        if overlap != "layer" or not (a2a_f[sf] and a2a_b[sb]):
+            return F[sf] + B[sb]
+        return (compute_f[sf] + compute_b[sb] + max(0.0, exposed_f[sf] - compute_b[sb])
+                + max(0.0, exposed_b[sb] - compute_f[sf]))
+
     zb = s.schedule in ("dualpipev-zb", "dualpipe")
     if not zb:
         W = 0.0
     p2p_bytes = tokens * h * a * (2 if mc.num_mtp_layers else 1)
     pipe_cross = any(node(st, 0) != node(st + 1, 0) for st in range(pp - 1))
     p2p = p2p_bytes / ((hw.inter_gbps if pipe_cross else hw.intra_gbps) * GB) + hw.latency_us * 1e-6
-    sim = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, comm=p2p)
-    no_p2p = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, comm=0.0)
+    sim = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, FB=fb_cost, comm=p2p)
+    no_p2p = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, FB=fb_cost, comm=0.0)
 
     # Memory per pipeline rank.
     kept = [chunk_activations(rows) for rows in chunks]
@@ -399,9 +428,12 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                            if row["kind"].endswith("moe")) for r in range(pp)) * passes * a2a_layer
         key = "inter" if a2a_bw == hw.inter_gbps * GB else "intra"
         other = "intra" if key == "inter" else "inter"
+        flight, charged = _a2a_per_step(sim.timeline, fb_cost=fb_cost, a2a_f=a2a_f, a2a_b=a2a_b,
+                                        exposed_f=exposed_f, exposed_b=exposed_b, compute_f=compute_f,
+                                        compute_b=compute_b)
         groups.append(GroupTraffic(group="expert all-to-all", members=ep, **{
             f"{key}_bytes": per_rank * ep, f"{key}_bytes_compressed": per_rank * ep, f"{other}_bytes": 0.0,
-            f"{other}_bytes_compressed": 0.0, "seconds": per_rank / a2a_bw, "seconds_compressed": per_rank / a2a_bw}))
+            f"{other}_bytes_compressed": 0.0, "seconds": charged, "seconds_compressed": charged}))
 
     dp_seconds = worst["seconds_compressed"] if comm.compressor != "none" else max(g["seconds"] for g in reductions)
     biggest = max(stages, key=lambda st: st.params)
@@ -410,7 +442,13 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     notes = []
     if ep > 1:
         notes.append(f"per-rank counts hold {mc.n_routed_experts // ep} of {mc.n_routed_experts} routed experts "
-                     f"per MoE layer (expert parallel {ep}); the all-to-all is not overlapped with compute here")
+                     f"per MoE layer (expert parallel {ep})")
+    if a2a_layer:
+        how = ("and each F&B chunk's behind the other half's compute (overlap layer)" if overlap == "layer" else
+               "(overlap none: F&B chunks run their halves one after the other)")
+        notes.append(f"expert all-to-all: {flight * 1e3:,.1f} ms per step in flight on the busiest rank, "
+                     f"{charged * 1e3:,.1f} ms charged (the wait column): the dispatch hidden behind the shared expert "
+                     f"{how}")
     busy = sim.busy
     if max(busy) > 1.15 * min(busy):
         notes.append("stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank")
@@ -422,6 +460,37 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                 optimizer_seconds=optimizer_seconds, step_seconds=sim.makespan + dp_seconds + optimizer_seconds,
                 tokens_per_step=lay.tokens_per_step, fits=all(st.total <= hw.memory_gb * GB for st in stages),
                 total_params=unique, zero_stage=zero, notes=notes)
+
+
+def _a2a_costs(*, moe_layers, dispatch, shared_forward, recompute_passes):
+    """One chunk's all-to-all seconds per micro-batch, in flight and not covered by the
+    chunk's own compute. Each MoE layer's dispatch runs while its shared expert computes
+    (forward; the reverse dispatch while the shared expert's backward, twice the forward,
+    runs); its combine has nothing to run behind inside the layer. A recomputed forward
+    (activation checkpointing) repeats the forward's all-to-alls in the backward."""
+    one_f = dispatch + max(0.0, dispatch - shared_forward)
+    one_b = dispatch + max(0.0, dispatch - 2 * shared_forward)
+    return {"forward": moe_layers * 2 * dispatch, "forward_exposed": moe_layers * one_f,
+            "backward": moe_layers * 2 * dispatch * (1 + recompute_passes),
+            "backward_exposed": moe_layers * (one_b + recompute_passes * one_f)}
+
+
+def _a2a_per_step(timeline, *, fb_cost, a2a_f, a2a_b, exposed_f, exposed_b, compute_f, compute_b):
+    """(seconds in flight, seconds charged) of the all-to-alls per step on the rank with
+    the most in flight, walking the simulated ops."""
+    worst = (0.0, 0.0)
+    for ops in timeline:
+        flight = charged = 0.0
+        for op in ops:
+            if op.kind == "F":
+                flight, charged = flight + a2a_f[op.stage], charged + exposed_f[op.stage]
+            elif op.kind in ("B", "Bi"):
+                flight, charged = flight + a2a_b[op.stage], charged + exposed_b[op.stage]
+            elif op.kind == "FB":
+                flight += a2a_f[op.stage] + a2a_b[op.stage2]
+                charged += fb_cost(op.stage, op.stage2) - compute_f[op.stage] - compute_b[op.stage2]
+        worst = max(worst, (flight, charged))
+    return worst
 
 
 def _peak_bytes(timeline, stage_bytes):
