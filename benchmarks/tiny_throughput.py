@@ -5,6 +5,12 @@
   hf-dp      what a user would otherwise run: transformers' DeepseekV3ForCausalLM of
              the same config, plain DeepSpeed data parallelism (ZeRO-1, 4 replicas)
 
+``--preset tiny-moe``: the MoE recipe (ds_configs/tiny_moe_cpu.json) with expert
+parallelism 2 under 1f1b and dualpipev-zb (overlap "layer", the default there)
+against the same hf-dp baseline (transformers' model holds every expert on every
+rank). Bias updates and the sequence balance loss are off in all three, since
+transformers' model has neither; the rest of the config is the JSON's.
+
 Same tokens per optimizer step (the JSON's train_batch_size x seq_len), same initial
 weights (the recipe's seeded init, copied into the transformers model), the same
 micro-batches in every step (each hf-dp rank takes its share of one pipeline
@@ -14,6 +20,7 @@ ds_configs/tiny_cpu.json), so the losses are comparable too. Runs are interleave
 against hf-dp. Every run goes through the real deepspeed launcher.
 
     python benchmarks/tiny_throughput.py --steps 40 --repeats 3 --json bench_out/tiny.json
+    python benchmarks/tiny_throughput.py --preset tiny-moe --steps 40 --repeats 3 --json bench_out/tiny_moe.json
 """
 
 import argparse
@@ -26,7 +33,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import launch  # noqa: E402
+from benchmarks import launch, machine_line, write_figures  # noqa: E402
 
 RUNS = {
     "1f1b": ["launch/train.py", "--deepspeed", "ds_configs/tiny_cpu.json"],
@@ -34,11 +41,29 @@ RUNS = {
     "hf-dp": ["benchmarks/tiny_throughput.py", "--worker", "hf-dp", "--config", "ds_configs/tiny_cpu.json"],
 }
 WORLD = 4
+MOE_EP = 2
 
 
-def _launch(name, steps, workdir):
+def _moe_runs(workdir):
+    """The tiny-moe runs: configs derived from ds_configs/tiny_moe_cpu.json."""
+    with open(os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json")) as f:
+        base = json.load(f)
+    base["seekspeed"]["moe"] = {"bias_update_speed": 0.0, "balance_loss_alpha": 0.0, "expert_parallel_size": MOE_EP}
+    runs = {}
+    for name, schedule in (("1f1b-ep2", "1f1b"), ("dualpipev-zb-ep2", "dualpipev-zb")):
+        cfg = json.loads(json.dumps(base))
+        cfg["seekspeed"]["schedule"] = schedule
+        path = os.path.join(workdir, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        runs[name] = ["launch/train.py", "--deepspeed", path]
+    runs["hf-dp"] = ["benchmarks/tiny_throughput.py", "--worker", "hf-dp", "--config", runs["1f1b-ep2"][2]]
+    return runs
+
+
+def _launch(runs, name, steps, workdir):
     summary = os.path.join(workdir, f"{name}-{len(os.listdir(workdir))}.json")
-    args = [*RUNS[name], "--steps", str(steps)]
+    args = [*runs[name], "--steps", str(steps)]
     if name != "hf-dp":
         args += ["--checkpoint-dir", os.path.join(workdir, f"ckpt-{os.path.basename(summary)}")]
     return launch(args, world=WORLD, summary_json=summary, what=name)
@@ -114,6 +139,7 @@ def _hf_worker(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=("tiny", "tiny-moe"), default="tiny")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each configuration")
     p.add_argument("--json", help="write the figures here")
@@ -125,12 +151,13 @@ def main():
     if args.worker:
         return _hf_worker(args)
 
-    results = {name: [] for name in RUNS}
     with tempfile.TemporaryDirectory(prefix="seekspeed-bench-") as workdir:
+        runs = RUNS if args.preset == "tiny" else _moe_runs(workdir)
+        results = {name: [] for name in runs}
         for rep in range(args.repeats):
-            for name in RUNS:
+            for name in runs:
                 print(f"[{rep + 1}/{args.repeats}] {name} ...", file=sys.stderr, flush=True)
-                results[name].append(_launch(name, args.steps, workdir))
+                results[name].append(_launch(runs, name, args.steps, workdir))
 
     rows = {}
     for name, runs in results.items():
@@ -144,18 +171,17 @@ def main():
     base = rows["hf-dp"]["tokens_per_s"]
     for row in rows.values():
         row["max_abs_loss_diff_vs_hf_dp"] = max(abs(a - b) for a, b in zip(row["losses"], rows["hf-dp"]["losses"]))
-    print(f"\ntiny recipe, {WORLD} ranks, {args.steps} steps x {args.repeats} interleaved repeats "
+    print(machine_line())
+    print(f"\n{args.preset} recipe, {WORLD} ranks, {args.steps} steps x {args.repeats} interleaved repeats "
           f"(median; steady state after the first step)")
-    print(f"{'run':<10} {'tok/s':>9} {'vs hf-dp':>9}  {'peak RSS per rank (MiB)':<28} {'final loss':>10} "
+    print(f"{'run':<16} {'tok/s':>9} {'vs hf-dp':>9}  {'peak RSS per rank (MiB)':<28} {'final loss':>10} "
           f"{'max |dloss| vs hf-dp':>21}")
     for name, row in rows.items():
         rss = " ".join(f"{v:5.0f}" for v in row["peak_rss_mib_per_rank"])
-        print(f"{name:<10} {row['tokens_per_s']:>9,.0f} {row['tokens_per_s'] / base:>8.2f}x  {rss:<28} "
+        print(f"{name:<16} {row['tokens_per_s']:>9,.0f} {row['tokens_per_s'] / base:>8.2f}x  {rss:<28} "
               f"{row['loss_last']:>10.4f} {row['max_abs_loss_diff_vs_hf_dp']:>21.2e}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "repeats": args.repeats, "world_size": WORLD, "runs": rows}, f, indent=2)
+    write_figures(args.json, {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "world_size": WORLD,
+                              "runs": rows})
 
 
 if __name__ == "__main__":
