@@ -572,11 +572,6 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
-    bf16_fp32_accum = ds.get("bf16", {}).get("enabled", False) and _grad_accum_is_fp32(ds)
-    if layout.schedule == "dualpipe" and bf16_fp32_accum:
-        raise ConfigError("schedule dualpipe does not support bf16 with fp32 gradient accumulation yet (its two "
-                          "stage copies are summed in the bf16 gradients): use fp32, bf16 without "
-                          "data_types.grad_accum_dtype, or schedule dualpipev-zb")
     ep = section.moe.expert_parallel_size
     if dp % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "

@@ -222,14 +222,23 @@ def test_partition_method_is_checked_before_launch(tmp_path, capsys):
 @pytest.mark.parametrize("mutate,world,expected", [
     (lambda c: c.update(pipeline={"stages": 3}), 3, "dualpipe pairs rank r with rank R-1-r, so it needs an even"),
     (lambda c: c.update(gradient_accumulation_steps=5), 4, "even gradient_accumulation_steps >= 2 x pipeline.stages"),
-    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 4,
-     "dualpipe does not support bf16 with fp32 gradient accumulation"),
 ])
 def test_dualpipe_constraints(tmp_path, mutate, world, expected):
     def both(c):
         c["seekspeed"]["schedule"] = "dualpipe"
         mutate(c)
     assert expected in _error(tmp_path, both, world_size=world)
+
+
+@pytest.mark.parametrize("zero,accum", [(1, "fp32"), (1, None), (0, None)])
+def test_dualpipe_trains_in_bf16(tmp_path, zero, accum):
+    """bf16 with fp32 accumulation and ZeRO-1 (the production configs), or bf16 throughout."""
+    def mutate(c):
+        c["seekspeed"]["schedule"] = "dualpipe"
+        c.update(bf16={"enabled": True}, zero_optimization={"stage": zero})
+        if accum:
+            c["data_types"] = {"grad_accum_dtype": accum}
+    assert load_config(_write(tmp_path, mutate), world_size=4).layout.schedule == "dualpipe"
 
 
 # DeepSpeed's own keys, through DeepSpeed's own code (ds_ext/ds_keys.py): each mistake is
