@@ -404,6 +404,10 @@ def _dtypes(ds):
 def check_precision(ds, *, schedule, zero):
     """The weights' and accumulation dtypes DeepSpeed and the schedule can train with."""
     model, accum = _dtypes(ds)
+    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and schedule in ("dualpipev-zb", "dualpipe"):
+        raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
+                          f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
+                          f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")
     if accum == model:
         return
     bf16_optimizer = (model, accum) == ("bf16", "fp32")

@@ -224,6 +224,8 @@ def test_partition_method_is_checked_before_launch(tmp_path, capsys):
     (lambda c: c.update(gradient_accumulation_steps=5), 4, "even gradient_accumulation_steps >= 2 x pipeline.stages"),
     (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp16"}), 4,
      "dualpipe does not support bf16 weights with data_types.grad_accum_dtype fp16"),
+    (lambda c: c.update(bf16={"enabled": True, "immediate_grad_update": True}, data_types={"grad_accum_dtype": "fp32"}),
+     4, "bf16.immediate_grad_update true does not work with schedule dualpipe"),
 ])
 def test_dualpipe_constraints(tmp_path, mutate, world, expected):
     def both(c):
