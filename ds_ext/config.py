@@ -416,6 +416,37 @@ def _grad_accum_is_fp32(ds):
     return value is not None and DtypeEnum(value) is DtypeEnum.fp32
 
 
+def _dtypes(ds):
+    """(weights' dtype, gradient accumulation dtype), as DeepSpeed's get_data_types
+    resolves them: each "fp32", "bf16" or "fp16"."""
+    from deepspeed.runtime.config import DtypeEnum
+    model = ("fp16" if ds.get("fp16", {}).get("enabled", False) else
+             "bf16" if ds.get("bf16", {}).get("enabled", False) else "fp32")
+    value = ds.get("data_types", {}).get("grad_accum_dtype")
+    return model, model if value is None else DtypeEnum(value).name
+
+
+def check_precision(ds, *, schedule, zero):
+    """The weights' and accumulation dtypes DeepSpeed and the schedule can train with."""
+    model, accum = _dtypes(ds)
+    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and schedule in ("dualpipev-zb", "dualpipe"):
+        raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
+                          f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
+                          f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")
+    if accum == model:
+        return
+    bf16_optimizer = (model, accum) == ("bf16", "fp32")
+    if zero == 0:
+        raise ConfigError(f"data_types.grad_accum_dtype {accum} with {model} weights needs ZeRO stage 1 (DeepSpeed's "
+                          f"stage 0 accumulates in the weights' dtype only and stops with 'unsupported mix'): set "
+                          f"zero_optimization.stage 1{' (BF16 optimizer)' if bf16_optimizer else ''} or remove "
+                          f"data_types.grad_accum_dtype")
+    if schedule == "dualpipe" and not bf16_optimizer:
+        raise ConfigError(f"schedule dualpipe does not support {model} weights with data_types.grad_accum_dtype {accum} "
+                          f"(ZeRO-1 keeps those gradients in a buffer the stage-copy sum does not read): remove "
+                          f"data_types.grad_accum_dtype, use bf16 with fp32, or schedule dualpipev-zb")
+
+
 def read_json(path):
     if not os.path.exists(path):
         raise ConfigError(f"config file {path} does not exist: pass --deepspeed with a path such as "
@@ -597,11 +628,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         raise ConfigError(f"batch sizes do not fit {world_size} ranks: train_batch_size {layout.train_batch} is not "
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
-    bf16_fp32_accum = ds.get("bf16", {}).get("enabled", False) and _grad_accum_is_fp32(ds)
-    if layout.schedule == "dualpipe" and bf16_fp32_accum:
-        raise ConfigError("schedule dualpipe does not support bf16 with fp32 gradient accumulation yet (its two "
-                          "stage copies are summed in the bf16 gradients): use fp32, bf16 without "
-                          "data_types.grad_accum_dtype, or schedule dualpipev-zb")
+    check_precision(ds, schedule=layout.schedule, zero=zero)
     ep = section.moe.expert_parallel_size
     if dp % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "

@@ -15,11 +15,14 @@ says which terms it counts.
 import numpy as np
 
 UNIT_ROUNDOFF = {np.dtype("float32"): 2.0**-24, np.dtype("float64"): 2.0**-53}
+BF16 = "bfloat16"       # numpy has no bfloat16: 8 significant bits, unit roundoff 2^-8
+UNIT_ROUNDOFF[BF16] = 2.0**-8
 
 
 def gamma(n, dtype=np.float32):
-    """gamma_n = n u / (1 - n u): the relative error bound of n roundings."""
-    u = UNIT_ROUNDOFF[np.dtype(dtype)]
+    """gamma_n = n u / (1 - n u): the relative error bound of n roundings (``dtype`` a
+    numpy float type or ``BF16``)."""
+    u = UNIT_ROUNDOFF[dtype if dtype == BF16 else np.dtype(dtype)]
     assert n * u < 0.5, n
     return n * u / (1 - n * u)
 

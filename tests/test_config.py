@@ -222,14 +222,27 @@ def test_partition_method_is_checked_before_launch(tmp_path, capsys):
 @pytest.mark.parametrize("mutate,world,expected", [
     (lambda c: c.update(pipeline={"stages": 3}), 3, "dualpipe pairs rank r with rank R-1-r, so it needs an even"),
     (lambda c: c.update(gradient_accumulation_steps=5), 4, "even gradient_accumulation_steps >= 2 x pipeline.stages"),
-    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 4,
-     "dualpipe does not support bf16 with fp32 gradient accumulation"),
+    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp16"}), 4,
+     "dualpipe does not support bf16 weights with data_types.grad_accum_dtype fp16"),
+    (lambda c: c.update(bf16={"enabled": True, "immediate_grad_update": True}, data_types={"grad_accum_dtype": "fp32"}),
+     4, "bf16.immediate_grad_update true does not work with schedule dualpipe"),
 ])
 def test_dualpipe_constraints(tmp_path, mutate, world, expected):
     def both(c):
         c["seekspeed"]["schedule"] = "dualpipe"
         mutate(c)
     assert expected in _error(tmp_path, both, world_size=world)
+
+
+@pytest.mark.parametrize("zero,accum", [(1, "fp32"), (1, None), (0, None)])
+def test_dualpipe_trains_in_bf16(tmp_path, zero, accum):
+    """bf16 with fp32 accumulation and ZeRO-1 (the production configs), or bf16 throughout."""
+    def mutate(c):
+        c["seekspeed"]["schedule"] = "dualpipe"
+        c.update(bf16={"enabled": True}, zero_optimization={"stage": zero})
+        if accum:
+            c["data_types"] = {"grad_accum_dtype": accum}
+    assert load_config(_write(tmp_path, mutate), world_size=4).layout.schedule == "dualpipe"
 
 
 # DeepSpeed's own keys, through DeepSpeed's own code (ds_ext/ds_keys.py): each mistake is
@@ -271,6 +284,9 @@ def test_dualpipe_constraints(tmp_path, mutate, world, expected):
     (lambda c: c.update(data_types={"grad_accum_dtype": "fp64"}),
      ["data_types.grad_accum_dtype 'fp64' is not a dtype DeepSpeed knows", "'fp32'", "or remove it"]),
     (lambda c: c.update(train_batch_size=30), ["batch sizes do not fit", "set train_batch_size to 32"]),
+    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, zero_optimization={"stage": 0}),
+     ["data_types.grad_accum_dtype fp32 with bf16 weights needs ZeRO stage 1", "set zero_optimization.stage 1",
+      "or remove data_types.grad_accum_dtype"]),
 ])
 def test_deepspeed_keys_are_checked_before_the_run(tmp_path, mutate, expected):
     message = _error(tmp_path, mutate)

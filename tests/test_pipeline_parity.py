@@ -19,6 +19,12 @@ checks:
   for;
 - bitwise: the first step's weights equal the reference model's (same seeds), and every
   rank holding a copy of a tensor (tied layers, stage copies, replicas) holds the same bits.
+DualPipe and the zero-bubble DualPipeV (2 ranks, tied embeddings) also train in the
+production precision, bf16 with fp32 accumulation (DeepSpeed's BF16_Optimizer), against a
+reference in bf16: the micro-batch gradients are the same bf16 numbers in both runs, so
+the bounds follow from fp32's unit roundoff for the accumulation and the copy-sum (checked
+on each rank's fp32 gradient before the reduction over replicas) and from bf16's, 2^-8,
+only for DeepSpeed's bf16 reduction after it (_bf16_gradient_bound).
 Multi-rank (2-4 gloo ranks); about 15 s per case on 2 cores.
 """
 
@@ -29,7 +35,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks, compute_threads
-from tests.numerics import UNIT_ROUNDOFF, assert_within, gamma
+from tests.numerics import BF16, UNIT_ROUNDOFF, assert_within, gamma
 
 STEPS = 3
 SEQ = 32
@@ -63,30 +69,63 @@ def _backward_first(forward, backward):
 
 
 def _capture_optimizer_gradients(engine):
-    """Record, at each ZeRO-1 optimizer step, the (reduced, clipped) fp32 gradient of every
+    """Record, at each optimizer step, the (reduced, clipped) fp32 gradient of every
     parameter fragment this rank updates: {name: [(start in the flat parameter, values)]}.
-    ZeRO's link between a parameter and its slice of the fp32 partition (``_hp_mapping``)
-    says which elements the rank holds."""
-    zero = engine.optimizer
+    The link between a parameter and its slice of the fp32 partition (``_hp_mapping``) says
+    which elements the rank holds: ZeRO-1's, or, under bf16 with fp32 accumulation,
+    DeepSpeed's BF16_Optimizer's (captured as it hands its partitions to the inner AdamW)."""
+    opt = engine.optimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
     captured = {}
-    step = zero._optimizer_step
 
-    def capture_then_step(group_no):
-        flat = zero.single_partition_of_fp32_groups[group_no]
-        for p in zero.bit16_groups[group_no]:
+    def capture(params, flat):
+        for p in params:
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is not None:
                 hp = mapping.get_hp_fragment_address()
                 captured.setdefault(names[id(p)], []).append(
                     (mapping.lp_fragment_address.start, flat.grad.narrow(0, hp.start, hp.numel).clone()))
+
+    if hasattr(opt, "bf16_groups"):
+        inner_step = opt.optimizer.step
+
+        def capture_then_inner_step(*args, **kwargs):
+            for params, flat in zip(opt.bf16_groups, opt.fp32_groups_flat_partition):
+                capture(params, flat)
+            return inner_step(*args, **kwargs)
+
+        opt.optimizer.step = capture_then_inner_step
+        return captured
+    step = opt._optimizer_step
+
+    def capture_then_step(group_no):
+        capture(opt.bit16_groups[group_no], opt.single_partition_of_fp32_groups[group_no])
         step(group_no)
 
-    zero._optimizer_step = capture_then_step
+    opt._optimizer_step = capture_then_step
     return captured
 
 
-def _pipeline_rank(schedule, stages, gas, overrides, hook=False, document_token=None):
+def _capture_bf16_gradients_before_reduction(engine):
+    """Record BF16_Optimizer's fp32 gradient of every parameter this rank holds as the
+    ReduceGrads instruction hands it to DeepSpeed's reduction over replicas (after
+    DualPipe's copy-sum): {name: values}."""
+    opt = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    captured = {}
+    reduce = engine._bf16_reduce_grads
+
+    def capture_then_reduce():
+        for params, grads in zip(opt.bf16_groups, opt.fp32_groups_gradients):
+            for p, g in zip(params, grads):
+                captured[names[id(p)]] = g.view(p.shape).clone()
+        reduce()
+
+    engine._bf16_reduce_grads = capture_then_reduce
+    return captured
+
+
+def _pipeline_rank(schedule, stages, gas, overrides, hook=False, document_token=None, precision="fp32"):
     import deepspeed  # noqa: F401  (the engine's imports)
     from deepspeed import comm as dist
     from recipes import deepseek_v3
@@ -101,18 +140,25 @@ def _pipeline_rank(schedule, stages, gas, overrides, hook=False, document_token=
                  "gradient_clipping": CLIP, "steps_per_print": 10**6,
                  "optimizer": {"type": "AdamW", "params": OPT},
                  "zero_optimization": {"stage": 1}}
+    if precision == "bf16":     # DeepSpeed's BF16_Optimizer, as ds_configs/128node.json
+        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     engine = initialize(model=model, config=ds_config, model_parameters=list(model.parameters()), schedule=schedule)
     captured = _capture_optimizer_gradients(engine)
+    before_reduction = _capture_bf16_gradients_before_reduction(engine) if precision == "bf16" else {}
     data = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=document_token)[
         :, model._grid.get_data_parallel_id()]
     it = ((data[step, m, :, :-1], data[step, m, :, 1:]) for step in range(STEPS) for m in range(gas))
     steps = []
     for _ in range(STEPS):
-        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        # bf16 weights travel as fp32 (exact); "dtypes" says what they were
+        weights = {k: v.to(torch.float32, copy=True) for k, v in engine.module.state_dict().items()}
         captured.clear()
+        before_reduction.clear()
         loss = engine.train_batch(it).item()
-        steps.append({"weights": weights, "loss": loss, "norm": float(engine.get_global_grad_norm()),
-                      "grads": {k: list(v) for k, v in captured.items()}})
+        steps.append({"weights": weights, "dtypes": {k: str(v.dtype) for k, v in engine.module.state_dict().items()},
+                      "loss": loss, "norm": float(engine.get_global_grad_norm()),
+                      "grads": {k: list(v) for k, v in captured.items()},
+                      "before_reduction": dict(before_reduction), "replica": model._grid.get_data_parallel_id()})
     return steps
 
 
@@ -187,6 +233,24 @@ def _assemble(results, step, shapes):
     return {k: v.reshape(shapes[k]) for k, v in full.items()}
 
 
+def _sum_and_its_bound(terms, *, dp):
+    """The exact gradient (sum of the terms / dp) and e, the elementwise bound on how far
+    an fp32 sum of the same terms in any order is from it; the largest term count."""
+    exact, bound_e, count = {}, {}, 0
+    for name, t in terms.items():
+        stack = torch.stack(t)
+        exact[name] = (stack.sum(0) / dp).numpy()
+        abs_sum = (stack.abs().sum(0) / dp).numpy()
+        # the reference's own float64 sum is off by at most k * 2^-53 of the absolute sum
+        bound_e[name] = (gamma(len(t) - 1) + gamma(len(t), np.float64)) * abs_sum
+        count = max(count, len(t))
+    return exact, bound_e, count
+
+
+def _norm(arrays):
+    return math.sqrt(sum(float((v ** 2).sum()) for v in arrays.values()))
+
+
 def _gradient_bound(terms, *, dp, pipe_norm, num_reducers):
     """The reference gradient (exact sum, clipped as DeepSpeed clips) and the elementwise
     bound on the pipelined run's difference from it.
@@ -201,16 +265,8 @@ def _gradient_bound(terms, *, dp, pipe_norm, num_reducers):
       fp32 arithmetic for it (add, divide, reciprocal) adds 3u relative, the scaling of
       each element u: |s - s_exact| <= ds = |norm - norm_exact| / CLIP + 4u s_exact;
     - so |g - s_exact sum / dp| <= (s_exact + ds) e + ds |sum / dp| + u |g|."""
-    exact, bound_e, count = {}, {}, None
-    for name, t in terms.items():
-        stack = torch.stack(t)
-        exact[name] = (stack.sum(0) / dp).numpy()
-        abs_sum = (stack.abs().sum(0) / dp).numpy()
-        # the reference's own float64 sum is off by at most k * 2^-53 of the absolute sum
-        bound_e[name] = (gamma(len(t) - 1) + gamma(len(t), np.float64)) * abs_sum
-        count = max(count or 0, len(t))
-    norm_exact = math.sqrt(sum(float((v ** 2).sum()) for v in exact.values()))
-    e_norm = math.sqrt(sum(float((v ** 2).sum()) for v in bound_e.values()))
+    exact, bound_e, count = _sum_and_its_bound(terms, dp=dp)
+    norm_exact, e_norm = _norm(exact), _norm(bound_e)
     norm_bound = e_norm + (num_reducers + 4) * U32 * (norm_exact + e_norm)
     assert abs(pipe_norm - norm_exact) <= norm_bound, \
         f"gradient norm {pipe_norm!r} vs the reference's {norm_exact!r}: more than its bound {norm_bound:.3e} apart"
@@ -223,6 +279,59 @@ def _gradient_bound(terms, *, dp, pipe_norm, num_reducers):
         out[name] = (want, bound)
     return out, count
 
+
+def _bf16_gradient_bound(terms, *, dp, pipe_norm, pipe_ranks):
+    """``_gradient_bound`` for DeepSpeed's BF16_Optimizer (bf16 weights and arithmetic,
+    ``grad_accum_dtype: fp32``, DeepSpeed's default bf16 communication). Returns the
+    reference for the optimizer's gradient, as ``_gradient_bound``, and for each replica
+    r the reference for its gradient before DeepSpeed's reduction: {name: (want, bound)}.
+
+    Each micro-batch's gradient is computed in bf16 by the same arithmetic as the
+    reference's (the same weights, by teacher forcing; the same kernels on the same
+    shapes), so the terms are the same bf16 numbers: bf16's rounding of the forward and
+    backward enters both runs alike and no bound needs it. After the terms:
+    - before the reduction, replica r's gradient P_r is an fp32 sum of its terms (the
+      optimizer's fp32 buffer accumulates each backward and W slot; the stage copies are
+      summed in fp32): |P_r - E_r| <= e_r = gamma(k_r - 1) sum|terms of r|, the fp32 bound.
+      Checked on its own, because what follows rounds to bf16: copies summed in bf16 (off
+      by up to 2^-9 of P_r) would hide under the final bound, not under e_r;
+    - DeepSpeed's reduction over replicas (``communication_data_type`` defaults to bf16
+      under bf16) rounds each P_r to bf16, adds the dp of them in bf16 (each P_r meets
+      at most dp roundings of 2^-8) and divides by dp (a power of two, exact):
+      |G~ - sum / dp| <= E = (gamma_bf16(dp) sum_r (|E_r| + e_r) + sum_r e_r) / dp; a
+      dropped copy (a whole term) is still outside it;
+    - the norm BF16_Optimizer computes from G~ (each parameter's torch norm in fp32: at
+      most n squares and n - 1 additions, n the largest parameter's size, and a square
+      root; squared; T parameters and ``pipe_ranks`` partial sums added in fp32; a square
+      root): |norm - ||sum / dp||| <= ||E|| + gamma(n + T + pipe_ranks + 4) (||sum / dp|| +
+      ||E||), checked; it also catches a copy counted twice or not at all;
+    - the clip coefficient c = CLIP / fl(norm + 1e-6), recomputed here from the reported
+      norm with DeepSpeed's fp32 arithmetic (bitwise); where c < 1 each element is
+      multiplied by it, one rounding: |g - c sum / dp| <= c E + u c (|sum / dp| + E);
+      elsewhere g = G~."""
+    replicas = []
+    for r in range(dp):
+        per = {name: t[r * len(t) // dp:(r + 1) * len(t) // dp] for name, t in terms.items()}
+        exact_r, e_r, _ = _sum_and_its_bound(per, dp=1)
+        replicas.append({name: (exact_r[name], e_r[name]) for name in exact_r})
+    exact, big_e = {}, {}
+    for name in terms:
+        parts = [rep[name] for rep in replicas]
+        exact[name] = sum(want for want, _ in parts) / dp
+        big_e[name] = (gamma(dp, BF16) * sum(np.abs(want) + e for want, e in parts) + sum(e for _, e in parts)) / dp
+    norm_exact, e_norm = _norm(exact), _norm(big_e)
+    n = max(v.size for v in exact.values())
+    norm_bound = e_norm + gamma(n + len(exact) + pipe_ranks + 4) * (norm_exact + e_norm)
+    assert abs(pipe_norm - norm_exact) <= norm_bound, \
+        f"gradient norm {pipe_norm!r} vs the reference's {norm_exact!r}: more than its bound {norm_bound:.3e} apart"
+    coef = float(CLIP / (torch.tensor(pipe_norm, dtype=torch.float32) + 1e-6))
+    out = {}
+    for name in exact:
+        if coef < 1:
+            out[name] = (coef * exact[name], coef * big_e[name] + U32 * coef * (np.abs(exact[name]) + big_e[name]))
+        else:
+            out[name] = (exact[name], big_e[name])
+    return out, replicas
 
 CASES = {
     "1f1b-pp2": dict(schedule="1f1b", world=2, stages=2, gas=4, overrides={}),
@@ -238,6 +347,11 @@ CASES = {
                                       document_token=256),
     "dualpipe-pp2-tied": dict(schedule="dualpipe", world=2, stages=2, gas=4, overrides={"tie_word_embeddings": True}),
     "dualpipe-pp4-dp1": dict(schedule="dualpipe", world=4, stages=4, gas=8, overrides={"num_hidden_layers": 8}),
+    # the production precision (ds_configs/128node.json): bf16, fp32 accumulation (BF16_Optimizer)
+    "dualpipe-pp2-tied-bf16": dict(schedule="dualpipe", world=2, stages=2, gas=4, overrides={"tie_word_embeddings": True},
+                                   precision="bf16"),
+    "dualpipev-zb-pp2-tied-bf16": dict(schedule="dualpipev-zb", world=2, stages=2, gas=4,
+                                       overrides={"tie_word_embeddings": True}, precision="bf16"),
     "dualpipev-zb-pp4-moe": dict(schedule="dualpipev-zb", world=4, stages=4, gas=8, overrides={
         "num_hidden_layers": 8, "first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size": 48,
         "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2}),
@@ -250,15 +364,20 @@ def test_pipeline_matches_single_process(case):
     from recipes import deepseek_v3
     from recipes.layers.pipe import CausalLMLoss, SequentialReference
     c = CASES[case]
+    bf16 = c.get("precision") == "bf16"
     results = run_ranks(_pipeline_rank, world_size=c["world"], args=(c["schedule"], c["stages"], c["gas"],
                                                                         c["overrides"], c.get("hook", False),
-                                                                        c.get("document_token")),
+                                                                        c.get("document_token"),
+                                                                        c.get("precision", "fp32")),
                         timeout=240)
     torch.set_num_threads(compute_threads())
     dp, gas = c["world"] // c["stages"], c["gas"]
     config = _model_config(c["overrides"])
     specs = deepseek_v3.layer_specs(config, seed=SEED, document_token=c.get("document_token"))
     model, loss_fn = _PerOccurrence(specs), CausalLMLoss(0.3, mtp=config.num_mtp_layers > 0)
+    if bf16:        # as DeepSpeed casts the module: floating parameters to bf16, buffers as they are
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     rows = _data(dp=dp, gas=gas, vocab=config.vocab_size, document_token=c.get("document_token"))
     initial = SequentialReference(specs).state_dict()
     for step in range(STEPS):
@@ -270,7 +389,9 @@ def test_pipeline_matches_single_process(case):
                 weights[k] = v
         if step == 0:
             assert set(weights) == set(initial)
+            dtypes = {k: getattr(torch, d.split(".")[-1]) for r in results for k, d in r[0]["dtypes"].items()}
             for k, v in initial.items():
+                v = v.to(dtypes[k]).float()        # as DeepSpeed cast it (round to nearest); fp32 exact
                 assert np.array_equal(weights[k], v.numpy()), f"{k}: the pipeline built other initial weights"
         terms, losses = _reference_step(model, loss_fn, {k: torch.from_numpy(v) for k, v in weights.items()},
                                         rows[step], dp=dp, gas=gas)
@@ -279,9 +400,17 @@ def test_pipeline_matches_single_process(case):
         loss_bound = gamma(len(losses)) * sum(abs(x) for x in losses) / len(losses)
         for r in results:
             assert abs(r[step]["loss"] - want_loss) <= loss_bound, (step + 1, r[step]["loss"], want_loss, loss_bound)
-        # ranks and groups whose partial norms DeepSpeed adds in fp32: all ranks, MoE and dense groups
-        reference, _ = _gradient_bound(terms, dp=dp, pipe_norm=results[0][step]["norm"],
-                                       num_reducers=c["world"] + 4)
+        if bf16:
+            reference, replicas = _bf16_gradient_bound(terms, dp=dp, pipe_norm=results[0][step]["norm"],
+                                                       pipe_ranks=c["stages"])
+            for rank, r in enumerate(results):
+                for name, values in r[step]["before_reduction"].items():
+                    want, bound = replicas[r[step]["replica"]][name]
+                    assert_within(values, want, bound, what=f"step {step + 1}: rank {rank}'s fp32 gradient of {name} "
+                                                            f"before the reduction over replicas")
+        else:   # ranks and groups whose partial norms DeepSpeed adds in fp32: all ranks, MoE and dense groups
+            reference, _ = _gradient_bound(terms, dp=dp, pipe_norm=results[0][step]["norm"],
+                                           num_reducers=c["world"] + 4)
         got = _assemble(results, step, {k: v[0].shape for k, v in reference.items()})
         for name, (want, bound) in reference.items():
             assert_within(got[name], want, bound, what=f"step {step + 1}: gradient of {name}")

@@ -139,14 +139,58 @@ def pair_groups(grid, stages):
     return mine
 
 
-def sum_copy_gradients(module, group):
-    """Sum the gradients of the two copies of each stage (this rank's and its partner's)."""
-    params = module.copy_parameters()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-        offset += n
+# the copy-sum all-reduces at most this many fp32 elements at a time (256 MiB)
+COPY_SUM_BUCKET = 2**26
+
+
+def optimizer_gradients(optimizer, params):
+    """The tensor each of ``params`` has its gradient in when ReduceGrads runs: the
+    one DeepSpeed's optimizer reduces, clips and steps on.
+
+    Under DeepSpeed's BF16_Optimizer (bf16 weights with ZeRO-1 and
+    ``data_types.grad_accum_dtype: fp32``, or bf16 with ZeRO 0) that is its accumulation
+    buffer (``fp32_groups_gradients``, in grad_accum_dtype): every backward, and every
+    zero-bubble W slot, adds the bf16 ``.grad`` into it, so ``.grad`` holds only the last
+    part. The buffer is marked as holding a gradient (its partner's part makes it one),
+    for the norm. Otherwise (fp32; bf16 with ZeRO-1 accumulating in bf16) it is ``.grad``,
+    created as zeros where the parameter got none."""
+    if hasattr(optimizer, "bf16_groups") and hasattr(optimizer, "fp32_groups_gradients"):
+        where = {id(lp): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, lp in enumerate(group)}
+        out = []
+        for p in params:
+            if id(p) not in where:
+                raise RuntimeError(f"a stage-copy parameter of shape {tuple(p.shape)} is not in the BF16 optimizer's "
+                                   f"groups: pass every trainable parameter to deepspeed.initialize")
+            i, j = where[id(p)]
+            optimizer.fp32_groups_has_gradients[i][j] = True
+            p._hp_grad = optimizer.fp32_groups_gradients[i][j]
+            out.append(p._hp_grad)
+        return out
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def sum_copy_gradients(module, group, *, optimizer=None):
+    """Sum the gradients of the two copies of each stage (this rank's and its
+    partner's) where ``optimizer`` keeps them (``optimizer_gradients``), adding in
+    fp32: under BF16_Optimizer with fp32 accumulation, the fp32 accumulated gradients,
+    never their bf16 parts. Both ranks add the same two numbers, so they get the same
+    bits."""
+    params = [p for p in module.copy_parameters() if p.requires_grad]
+    grads = optimizer_gradients(optimizer, params)
+    start = 0
+    while start < len(grads):
+        stop, size = start, 0
+        while stop < len(grads) and (stop == start or size + grads[stop].numel() <= COPY_SUM_BUCKET):
+            size += grads[stop].numel()
+            stop += 1
+        bucket = grads[start:stop]
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        start = stop

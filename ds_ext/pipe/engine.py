@@ -347,7 +347,7 @@ class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
 
     def _exec_reduce_grads(self):
         from .dualpipe import sum_copy_gradients
-        sum_copy_gradients(self.module, self._pair_group)
+        sum_copy_gradients(self.module, self._pair_group, optimizer=self.optimizer)
         super()._exec_reduce_grads()
 
     def _aggregate_total_loss(self):
