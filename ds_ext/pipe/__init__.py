@@ -31,7 +31,7 @@ def pipeline_module_class(schedule):
                 parts = getattr(self.loss_fn, "additional_losses", None)
                 return parts() if parts is not None else None
 
-        from .overlap import PerThread
+        from .overlap import PerThread, switch
 
         class _FastPhaseSwitch:
             """DualPipeV switches phase around every compute instruction; its plain
@@ -46,6 +46,13 @@ def pipeline_module_class(schedule):
             _local_start = PerThread()
             _local_stop = PerThread()
             curr_layer = PerThread()
+
+            def forward(self, forward_input):
+                # an interleaved F&B chunk's forward half lets the backward half go first
+                # once DeepSpeed's forward prologue has run: the backward's first
+                # all-to-all (a combine's) then runs behind the forward's attention
+                switch()
+                return super().forward(forward_input)
 
             def activate_phase(self, phase):
                 set_ = object.__setattr__

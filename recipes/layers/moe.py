@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_ext.comm import alltoall
+from ds_ext.pipe.overlap import interleaving
 from ds_ext.pipe.zero_bubble import linear
 
 from .mlp import ACTIVATIONS, SwiGLU
@@ -193,8 +194,8 @@ class DeepSeekMoE(_moe_base()):
         """Routed experts plus the shared expert. The token all-to-alls are asynchronous:
         the dispatch is in flight while the shared expert computes (forward, and in the
         backward the reverse dispatch while the shared expert's backward runs), and
-        inside an interleaved F&B chunk (ds_ext.pipe.overlap) every all-to-all lets the
-        other micro-batch compute. Tokens are permuted once each way (a gather sorted by
+        inside an interleaved F&B chunk (ds_ext.pipe.overlap) every dispatch and combine
+        lets the other micro-batch compute. Tokens are permuted once each way (a gather sorted by
         expert before the dispatch, an index_add after the combine)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -205,18 +206,25 @@ class DeepSeekMoE(_moe_base()):
         token_of = order // k
         per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
         group = self.ep_group if self.ep_size > 1 else None
-        # the counts are a few bytes: waited for at once (no hand-over), they cost one latency
+        # Interleaved with another micro-batch's half (ds_ext/pipe/overlap.py), the dispatch
+        # runs behind that half and the shared expert covers the counts exchange (its
+        # latency, and a peer rank's lag behind this one); alone, it covers the dispatch.
+        # Autograd adds the input's gradients in the same order either way.
+        interleaved = interleaving()
         counts = alltoall.start(per_expert, out_splits=[self.num_local_experts] * self.ep_size,
                                 in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts",
                                 hand_over=False)
         sent = flat[token_of]
+        if interleaved:
+            shared = self.shared_mlp(x)
         counts = counts.wait().view(self.ep_size, self.num_local_experts)   # [source, local expert] counts
         send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
         recv_splits = counts.sum(1).tolist()
         route = dict(out_splits=recv_splits, in_splits=send_splits, group=group, label="dispatch")
         slot = alltoall.Slot()
         received = alltoall.dispatch(sent, slot, **route)
-        shared = self.shared_mlp(x)
+        if not interleaved:
+            shared = self.shared_mlp(x)
         received = alltoall.arrive(received, slot, **route)
         outputs = self._run_experts(received, counts.tolist())
         back = dict(out_splits=send_splits, in_splits=recv_splits, group=group, label="combine")
