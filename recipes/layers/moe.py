@@ -13,13 +13,18 @@ Load balancing as in the DeepSeek-V3 report:
   more than the mean load, up when less), with counts summed over data-parallel ranks;
 - the sequence-wise balance loss ``alpha * sum_i f_i P_i`` (per sequence, averaged),
   added to the gradient through the routing weights, so no stage has to return it.
+
+Routed experts run as grouped matrix multiplies (``torch.nn.functional.grouped_mm``,
+one group per (source rank, local expert) segment) where the device and dtype
+support them, else as one Python iteration per segment (``experts_impl`` "loop");
+see ``experts_implementation``.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_ext.pipe.zero_bubble import linear
+from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
 from .mlp import ACTIVATIONS, SwiGLU
 
@@ -120,6 +125,200 @@ class ExpertMLP(nn.Module):
         return linear(self.act_fn(gate) * up, self.down_proj)
 
 
+EXPERTS_IMPLS = ("auto", "grouped", "loop")
+_CHOSEN = {}    # (device type, dtype, hidden, intermediate) -> (implementation, why): decided once per process
+
+
+def pack_expert_parameters(experts):
+    """Lay the experts' ``gate_up_proj`` and ``down_proj`` out in one buffer, expert after
+    expert, each still its own Parameter (a view of it), so the grouped path reads them
+    as [E, ...] tensors without copying (``stacked_view``). DeepSpeed's ZeRO flat
+    buffers keep this order, so the layout usually survives its flattening too."""
+    params = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+    if not params or stacked_view([e.gate_up_proj for e in experts]) is not None and \
+            stacked_view([e.down_proj for e in experts]) is not None:
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        view = flat[offset:offset + p.numel()].view_as(p)
+        if not p.is_meta:
+            view.copy_(p.detach())
+        p.data = view
+        offset += p.numel()
+
+
+def stacked_view(tensors):
+    """``torch.stack(tensors)`` as a view when the tensors (contiguous, one shape) lie
+    equally spaced in one storage, else None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+               for t in tensors):
+        return None
+    if len(tensors) > 1:
+        if first.is_meta or any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                for t in tensors):
+            return None
+        step = tensors[1].storage_offset() - first.storage_offset()
+        if step < first.numel() or any(t.storage_offset() != first.storage_offset() + i * step
+                                       for i, t in enumerate(tensors)):
+            return None
+    else:
+        step = first.numel()
+    return first.detach().as_strided((len(tensors),) + tuple(first.shape), (step,) + first.stride())
+
+
+def _stacked(tensors):
+    view = stacked_view(tensors)
+    return torch.stack([t.detach() for t in tensors]) if view is None else view
+
+
+def _probe_grouped_mm(*, gate_up, down, dtype):
+    """None when grouped_mm runs the six grouped products of the experts' forward and
+    backward on ``gate_up`` [G, 2I, H] and ``down`` [G, H, I] (groups of 0 and 2 rows),
+    else why not."""
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    groups, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    offs = torch.tensor([0] * (groups - 1) + [2], dtype=torch.int32, device=gate_up.device)
+    x = torch.zeros(2, hidden, dtype=dtype, device=gate_up.device)
+    try:
+        h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs)
+        y = F.grouped_mm(h[:, :inter].contiguous(), down.transpose(1, 2), offs=offs)
+        F.grouped_mm(y, down, offs=offs)
+        F.grouped_mm(h, gate_up, offs=offs)
+        F.grouped_mm(y.t(), h[:, :inter].contiguous(), offs=offs)
+        F.grouped_mm(h.t(), x, offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return f"grouped_mm refused it: {str(exc).splitlines()[0]}"
+    return None
+
+
+def experts_implementation(*, requested, experts, dtype):
+    """("grouped" | "loop", why) for ``experts`` (the routed ExpertMLPs of a layer) on
+    activations of ``dtype``. "auto" is grouped where grouped_mm runs the experts'
+    products on this device, dtype and shape (probed once per process on the first
+    two experts), else the per-expert loop. The choice is printed once per key."""
+    if requested not in EXPERTS_IMPLS:
+        raise ValueError(f"experts_impl {requested!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
+    first = experts[0]
+    hidden, inter = first.down_proj.shape
+    device = first.down_proj.device
+    key = (device.type, dtype, hidden, inter, requested)
+    if key not in _CHOSEN:
+        if requested == "loop":
+            choice = ("loop", "experts_impl 'loop'")
+        else:
+            sample = list(experts)[:2]
+            refused = None if first.down_proj.dtype == dtype else \
+                f"expert weights are {first.down_proj.dtype}, activations {dtype}"
+            refused = refused or _probe_grouped_mm(gate_up=_stacked([e.gate_up_proj for e in sample]),
+                                                   down=_stacked([e.down_proj for e in sample]), dtype=dtype)
+            if refused and requested == "grouped":
+                raise ValueError(f"experts_impl 'grouped' on {device.type} {dtype} (hidden {hidden}, moe_intermediate "
+                                 f"{inter}): {refused}; use experts_impl 'auto' (falls back to the per-expert loop) "
+                                 f"or 'loop'")
+            choice = ("loop", refused) if refused else ("grouped", "torch.nn.functional.grouped_mm runs on it")
+        _CHOSEN[key] = choice
+        _announce(f"seekspeed moe: routed experts on {device.type} {str(dtype).replace('torch.', '')} "
+                  f"(hidden {hidden}, moe_intermediate {inter}): {choice[0]} ({choice[1]})")
+    return _CHOSEN[key]
+
+
+def _announce(line):
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or \
+            torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+class _Segments:
+    """The rows of the experts' input by (source rank, local expert): per source with
+    rows, its row range and the int32 group ends grouped_mm takes."""
+
+    def __init__(self, counts, device):
+        self.num_local = len(counts[0])
+        self.sources, start = [], 0
+        for source in counts:
+            rows = sum(source)
+            if rows:
+                ends = torch.tensor(source, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+                self.sources.append((start, start + rows, ends))
+            start += rows
+        self.rows = start
+
+    def mm(self, a, b, *, out_cols):
+        """Rows of ``a`` [rows, K] times each segment's ``b`` [E, K, N] -> [rows, N]."""
+        parts = [F.grouped_mm(a[lo:hi], b, offs=ends) for lo, hi, ends in self.sources]
+        if len(parts) == 1 and self.rows == parts[0].shape[0]:
+            return parts[0]
+        return torch.cat(parts) if parts else a.new_empty(0, out_cols)
+
+    def weight_grad(self, grad, x, *, shape):
+        """Per local expert, the sum over sources of grad_segment^T @ x_segment -> [E, *shape]."""
+        total = None
+        for lo, hi, ends in self.sources:
+            part = F.grouped_mm(grad[lo:hi].t(), x[lo:hi], offs=ends)
+            total = part if total is None else total + part
+        return grad.new_zeros((self.num_local,) + shape) if total is None else total
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """The routed experts on their segments: h = x W_gu^T, a = act(gate) * up,
+    y = a W_down^T, each a grouped matrix multiply with one group per (source, expert)
+    segment, on the same views of the same rows as ExpertMLP's ``linear`` calls (on CPU
+    grouped_mm runs one mm per group). Backward gives the input gradient at once and
+    the experts' weight gradients at once, or queues them with WeightGradStore.put when
+    zero-bubble deferral is on, as ``linear`` does. Every expert gets a weight gradient,
+    zeros when no token reached it."""
+
+    @staticmethod
+    def forward(ctx, x, counts, act_fn, *weights):
+        experts = len(weights) // 2
+        segments = _Segments(counts, x.device)
+        x = x.contiguous()
+        gate_up, down = _stacked(weights[:experts]), _stacked(weights[experts:])
+        h = segments.mm(x, gate_up.transpose(1, 2), out_cols=gate_up.shape[1])
+        gate, up = h.chunk(2, dim=-1)
+        out = segments.mm(act_fn(gate) * up, down.transpose(1, 2), out_cols=down.shape[1])
+        ctx.save_for_backward(x, h, *weights)
+        ctx.segments, ctx.act_fn, ctx.experts = segments, act_fn, experts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, *weights = ctx.saved_tensors
+        segments, experts = ctx.segments, ctx.experts
+        gate_up_params, down_params = weights[:experts], weights[experts:]
+        grad_out = grad_out.contiguous()
+        gate_up, down = _stacked(gate_up_params), _stacked(down_params)
+        grad_a = segments.mm(grad_out, down, out_cols=down.shape[2])
+        with torch.enable_grad():
+            h = h.detach().requires_grad_(True)
+            gate, up = h.chunk(2, dim=-1)
+            a = ctx.act_fn(gate) * up
+        grad_h, = torch.autograd.grad(a, h, grad_a)
+        a = a.detach()
+        grad_x = segments.mm(grad_h, gate_up, out_cols=gate_up.shape[2]) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[3:]):
+            return (grad_x, None, None) + (None,) * len(weights)
+
+        def weight_grads():
+            return (segments.weight_grad(grad_h, x, shape=tuple(gate_up.shape[1:])),
+                    segments.weight_grad(grad_out, a, shape=tuple(down.shape[1:])))
+
+        if WeightGradStore.enabled:
+            def deferred():
+                grad_gate_up, grad_down = weight_grads()
+                for param, grad in zip(gate_up_params, grad_gate_up):
+                    _accumulate(param, grad)
+                for param, grad in zip(down_params, grad_down):
+                    _accumulate(param, grad)
+            WeightGradStore.put(deferred)
+            return (grad_x, None, None) + (None,) * len(weights)
+        grad_gate_up, grad_down = weight_grads()
+        return (grad_x, None, None) + tuple(grad_gate_up.unbind(0)) + tuple(grad_down.unbind(0))
+
+
 class _AllToAll(torch.autograd.Function):
     """deepspeed.comm.all_to_all_single with uneven splits, differentiable (the
     backward sends gradients back along the reverse splits)."""
@@ -153,11 +352,14 @@ class DeepSeekMoE(_moe_base()):
     code expects); with expert-parallel degree P this rank holds experts
     [ep_rank * E/P, (ep_rank + 1) * E/P) and tokens reach them by all-to-all."""
 
-    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0):
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto"):
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
         if c.n_routed_experts % ep_size:
             raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by expert_parallel_size {ep_size}")
+        if experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl {experts_impl!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
+        self.experts_impl = experts_impl
         self.num_experts = c.n_routed_experts
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = c.n_routed_experts // ep_size
@@ -168,6 +370,7 @@ class DeepSeekMoE(_moe_base()):
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(ExpertMLP(c) for _ in range(self.num_local_experts))
+        pack_expert_parameters(self.deepspeed_moe.experts.deepspeed_experts)
         for p in self.deepspeed_moe.experts.parameters():
             p.allreduce = False
             p.group_name = self.expert_group_name
@@ -178,6 +381,17 @@ class DeepSeekMoE(_moe_base()):
     @property
     def experts(self):
         return self.deepspeed_moe.experts.deepspeed_experts
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)`` and the like give every parameter its own new tensor; lay the
+        experts out in one buffer again then (only then: a conversion that kept the
+        tensors, e.g. to the device they are on, must not move them out of DeepSpeed's
+        flat buffers)."""
+        before = [p.data_ptr() for p in self.experts.parameters()]
+        out = super()._apply(fn, recurse)
+        if [p.data_ptr() for p in self.experts.parameters()] != before:
+            pack_expert_parameters(self.experts)
+        return out
 
     def first_expert(self):
         return self.ep_rank * self.num_local_experts
@@ -239,7 +453,12 @@ class DeepSeekMoE(_moe_base()):
         segment is its own matrix multiply, the one the source rank would run on its own
         tokens with expert parallelism off: the same shapes, so the same arithmetic on
         every expert-parallel degree; only the weight-gradient sum over sources differs
-        (a sum of two terms for degree 2, which commutes)."""
+        (a sum of two terms for degree 2, which commutes). The grouped path runs the same
+        segments as grouped matrix multiplies (_GroupedSwiGLU)."""
+        impl, _ = experts_implementation(requested=self.experts_impl, experts=self.experts, dtype=received.dtype)
+        if impl == "grouped":
+            weights = [e.gate_up_proj for e in self.experts] + [e.down_proj for e in self.experts]
+            return _GroupedSwiGLU.apply(received, counts, self.experts[0].act_fn, *weights)
         pieces, ran = [], set()
         start = 0
         for source in counts:
