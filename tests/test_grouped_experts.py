@@ -1,7 +1,8 @@
 """Routed experts as grouped matrix multiplies (recipes/layers/moe.py, _GroupedSwiGLU).
 
 Covers: the grouped path equals the per-expert loop bitwise, forward and every
-gradient (input, router, each expert's weights, shared expert), fp32 and bf16, with
+gradient (input, router, each expert's weights, shared expert), fp32 and bf16 (and
+another activation than SiLU, through autograd's derivative), with
 experts no token chose, and on two source ranks' segments as expert parallelism
 delivers them; zero-bubble deferral (WeightGradStore) queues the experts' weight
 gradients and popping them gives the immediate ones bitwise; the fallback to the loop
@@ -58,10 +59,12 @@ def _step(layer, x, grad):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_equals_loop_bitwise(dtype):
+@pytest.mark.parametrize("dtype,act", [(torch.float32, "silu"), (torch.bfloat16, "silu"), (torch.float32, "gelu")],
+                         ids=["fp32", "bf16", "fp32-gelu"])
+def test_grouped_equals_loop_bitwise(dtype, act):
     x, grad = _inputs(dtype)
-    loop, grouped = _layer("loop", dtype=dtype), _layer("grouped", dtype=dtype)
+    config = _config(hidden_act=act)
+    loop, grouped = _layer("loop", dtype=dtype, config=config), _layer("grouped", dtype=dtype, config=config)
     want, got = _step(loop, x, grad), _step(grouped, x, grad)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert set(got[2]) == set(want[2]) and len(got[2]) == 1 + 2 * EXPERTS + 3     # router, experts, shared

@@ -3,8 +3,9 @@ SwiGLU experts, a sigmoid router in fp32 whose ``e_score_correction_bias`` only
 chooses experts, group-limited top-k, optional normalisation and a routed scaling
 factor. No token is dropped.
 
-Experts are stored packed (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) as in
-transformers.
+Each routed expert is its own module with transformers' per-expert rows
+(``gate_up_proj`` [2I, H], ``down_proj`` [H, I] of its packed [E, ...] tensors), all of
+a layer's experts laid out in one buffer (``pack_expert_parameters``).
 
 Load balancing as in the DeepSeek-V3 report:
 - auxiliary-loss-free: the router counts the tokens each expert receives during a
@@ -15,9 +16,9 @@ Load balancing as in the DeepSeek-V3 report:
   added to the gradient through the routing weights, so no stage has to return it.
 
 Routed experts run as grouped matrix multiplies (``torch.nn.functional.grouped_mm``,
-one group per (source rank, local expert) segment) where the device and dtype
-support them, else as one Python iteration per segment (``experts_impl`` "loop");
-see ``experts_implementation``.
+one group per (source rank, local expert) segment) where the device, dtype and shape
+allow them, else as one Python iteration per segment (``experts_impl`` "loop"); see
+``experts_implementation``.
 """
 
 import torch
@@ -126,7 +127,7 @@ class ExpertMLP(nn.Module):
 
 
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
-_CHOSEN = {}    # (device type, dtype, hidden, intermediate) -> (implementation, why): decided once per process
+_CHOSEN = {}    # (device, dtype, weight dtype, hidden, moe_intermediate, requested) -> (implementation, why)
 
 
 def pack_expert_parameters(experts):
@@ -135,8 +136,7 @@ def pack_expert_parameters(experts):
     as [E, ...] tensors without copying (``stacked_view``). DeepSpeed's ZeRO flat
     buffers keep this order, so the layout usually survives its flattening too."""
     params = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
-    if not params or stacked_view([e.gate_up_proj for e in experts]) is not None and \
-            stacked_view([e.down_proj for e in experts]) is not None:
+    if not params or _in_one_buffer(experts):
         return
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     offset = 0
@@ -146,6 +146,10 @@ def pack_expert_parameters(experts):
             view.copy_(p.detach())
         p.data = view
         offset += p.numel()
+
+
+def _in_one_buffer(experts):
+    return all(stacked_view([getattr(e, name) for e in experts]) is not None for name in ("gate_up_proj", "down_proj"))
 
 
 def stacked_view(tensors):
@@ -204,7 +208,7 @@ def experts_implementation(*, requested, experts, dtype):
     first = experts[0]
     hidden, inter = first.down_proj.shape
     device = first.down_proj.device
-    key = (device.type, dtype, hidden, inter, requested)
+    key = (device.type, dtype, first.down_proj.dtype, hidden, inter, requested)
     if key not in _CHOSEN:
         if requested == "loop":
             choice = ("loop", "experts_impl 'loop'")
@@ -218,7 +222,9 @@ def experts_implementation(*, requested, experts, dtype):
                 raise ValueError(f"experts_impl 'grouped' on {device.type} {dtype} (hidden {hidden}, moe_intermediate "
                                  f"{inter}): {refused}; use experts_impl 'auto' (falls back to the per-expert loop) "
                                  f"or 'loop'")
-            choice = ("loop", refused) if refused else ("grouped", "torch.nn.functional.grouped_mm runs on it")
+            layout = "expert weights read in place" if _in_one_buffer(experts) else \
+                "expert weights not in one buffer: stacked, a copy, on every call"
+            choice = ("loop", refused) if refused else ("grouped", f"torch.nn.functional.grouped_mm runs on it; {layout}")
         _CHOSEN[key] = choice
         _announce(f"seekspeed moe: routed experts on {device.type} {str(dtype).replace('torch.', '')} "
                   f"(hidden {hidden}, moe_intermediate {inter}): {choice[0]} ({choice[1]})")
@@ -244,32 +250,56 @@ class _Segments:
                 ends = torch.tensor(source, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
                 self.sources.append((start, start + rows, ends))
             start += rows
-        self.rows = start
 
     def mm(self, a, b, *, out_cols):
         """Rows of ``a`` [rows, K] times each segment's ``b`` [E, K, N] -> [rows, N]."""
         parts = [F.grouped_mm(a[lo:hi], b, offs=ends) for lo, hi, ends in self.sources]
-        if len(parts) == 1 and self.rows == parts[0].shape[0]:
+        if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else a.new_empty(0, out_cols)
 
     def weight_grad(self, grad, x, *, shape):
-        """Per local expert, the sum over sources of grad_segment^T @ x_segment -> [E, *shape]."""
-        total = None
-        for lo, hi, ends in self.sources:
-            part = F.grouped_mm(grad[lo:hi].t(), x[lo:hi], offs=ends)
-            total = part if total is None else total + part
-        return grad.new_zeros((self.num_local,) + shape) if total is None else total
+        """Per local expert, the sum over sources of grad_segment^T @ x_segment: a list
+        of E tensors of ``shape``, zeros for an expert no row reached. On CPU one mm per
+        segment, each into its own tensor: what grouped_mm does there, without its one
+        [E, *shape] result, whose fresh pages (553 MB a step for V2-Lite's experts at
+        hidden 512) cost 135k page faults, where the allocator reuses expert-sized
+        blocks. Elsewhere one grouped_mm per source."""
+        if grad.device.type != "cpu":
+            total = None
+            for lo, hi, ends in self.sources:
+                part = F.grouped_mm(grad[lo:hi].t(), x[lo:hi], offs=ends)
+                total = part if total is None else total + part
+            return [grad.new_zeros(shape) for _ in range(self.num_local)] if total is None else list(total.unbind(0))
+        total = [None] * self.num_local
+        for lo, _, ends in self.sources:
+            for j, (start, end) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist())):
+                if start == end and total[j] is not None:
+                    continue
+                part = grad[lo + start:lo + end].t() @ x[lo + start:lo + end]
+                total[j] = part if total[j] is None else total[j] + part
+        return [grad.new_zeros(shape) if t is None else t for t in total]
+
+
+def _activation_backward(act_fn, grad, gate, *, out):
+    """``out`` = grad * act_fn'(gate), as autograd computes it for ``act_fn(gate)``."""
+    if act_fn is F.silu:
+        torch.ops.aten.silu_backward.grad_input(grad, gate, grad_input=out)
+        return
+    with torch.enable_grad():
+        leaf = gate.detach().requires_grad_(True)
+        out.copy_(torch.autograd.grad(act_fn(leaf), leaf, grad)[0])
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     """The routed experts on their segments: h = x W_gu^T, a = act(gate) * up,
     y = a W_down^T, each a grouped matrix multiply with one group per (source, expert)
     segment, on the same views of the same rows as ExpertMLP's ``linear`` calls (on CPU
-    grouped_mm runs one mm per group). Backward gives the input gradient at once and
-    the experts' weight gradients at once, or queues them with WeightGradStore.put when
-    zero-bubble deferral is on, as ``linear`` does. Every expert gets a weight gradient,
-    zeros when no token reached it."""
+    grouped_mm runs one mm per group), keeping what autograd keeps for the loop (x, h,
+    act(gate), a). Backward gives the input gradient at once and the experts' weight
+    gradients at once, or queues them with WeightGradStore.put when zero-bubble
+    deferral is on, as ``linear`` does. Every expert gets a weight gradient, zeros
+    when no token reached it."""
 
     @staticmethod
     def forward(ctx, x, counts, act_fn, *weights):
@@ -279,32 +309,35 @@ class _GroupedSwiGLU(torch.autograd.Function):
         gate_up, down = _stacked(weights[:experts]), _stacked(weights[experts:])
         h = segments.mm(x, gate_up.transpose(1, 2), out_cols=gate_up.shape[1])
         gate, up = h.chunk(2, dim=-1)
-        out = segments.mm(act_fn(gate) * up, down.transpose(1, 2), out_cols=down.shape[1])
-        ctx.save_for_backward(x, h, *weights)
+        act = act_fn(gate)
+        a = act * up
+        ctx.save_for_backward(x, h, act, a, *weights)
         ctx.segments, ctx.act_fn, ctx.experts = segments, act_fn, experts
-        return out
+        return segments.mm(a, down.transpose(1, 2), out_cols=down.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, *weights = ctx.saved_tensors
+        x, h, act, a, *weights = ctx.saved_tensors
         segments, experts = ctx.segments, ctx.experts
         gate_up_params, down_params = weights[:experts], weights[experts:]
         grad_out = grad_out.contiguous()
         gate_up, down = _stacked(gate_up_params), _stacked(down_params)
+        gate, up = h.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         grad_a = segments.mm(grad_out, down, out_cols=down.shape[2])
-        with torch.enable_grad():
-            h = h.detach().requires_grad_(True)
-            gate, up = h.chunk(2, dim=-1)
-            a = ctx.act_fn(gate) * up
-        grad_h, = torch.autograd.grad(a, h, grad_a)
-        a = a.detach()
+        torch.mul(grad_a, act, out=grad_up)
+        _activation_backward(ctx.act_fn, grad_a.mul_(up), gate, out=grad_gate)
+        del grad_a
         grad_x = segments.mm(grad_h, gate_up, out_cols=gate_up.shape[2]) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[3:]):
             return (grad_x, None, None) + (None,) * len(weights)
+        gate_up_shape, down_shape = tuple(gate_up.shape[1:]), tuple(down.shape[1:])
+        del gate_up, down       # a stacked copy (experts not in one buffer) is not kept for a W slot
 
         def weight_grads():
-            return (segments.weight_grad(grad_h, x, shape=tuple(gate_up.shape[1:])),
-                    segments.weight_grad(grad_out, a, shape=tuple(down.shape[1:])))
+            return (segments.weight_grad(grad_h, x, shape=gate_up_shape),
+                    segments.weight_grad(grad_out, a, shape=down_shape))
 
         if WeightGradStore.enabled:
             def deferred():
@@ -316,7 +349,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             WeightGradStore.put(deferred)
             return (grad_x, None, None) + (None,) * len(weights)
         grad_gate_up, grad_down = weight_grads()
-        return (grad_x, None, None) + tuple(grad_gate_up.unbind(0)) + tuple(grad_down.unbind(0))
+        return (grad_x, None, None) + tuple(grad_gate_up) + tuple(grad_down)
 
 
 class _AllToAll(torch.autograd.Function):
