@@ -76,9 +76,14 @@ def test_grouped_equals_loop_bitwise(dtype, act):
     assert grouped.experts[1].gate_up_proj.grad.any()
 
 
-def test_two_sources_equal_loop_bitwise():
+@pytest.mark.parametrize("call_rows", [None, 4], ids=["one-call-per-source", "calls-of-4-rows"])
+def test_two_sources_equal_loop_bitwise(call_rows, monkeypatch):
     """The rows expert parallelism delivers: by source rank, then by local expert, one
-    source sending nothing to some experts and a third sending nothing at all."""
+    source sending nothing to some experts and a third sending nothing at all; and the
+    same rows split into grouped_mm calls of at most 4 rows (or one segment), as CPU
+    runs V2-Lite-sized layers (moe._CPU_CALL_BYTES)."""
+    if call_rows:
+        monkeypatch.setattr(moe, "_CPU_CALL_BYTES", call_rows * 2 * INTER * 4)
     layer_loop, layer_grouped = _layer("loop"), _layer("grouped")
     counts = [[3, 0, 5, 0, 2, 0, 0, 4], [0, 0, 0, 0, 0, 0, 0, 0], [1, 0, 2, 6, 0, 0, 3, 1]]
     g = torch.Generator().manual_seed(2)
@@ -91,11 +96,14 @@ def test_two_sources_equal_loop_bitwise():
         out.backward(grad)
         results.append((out, r.grad, [p.grad for p in layer.experts.parameters()]))
     (out_a, dx_a, dw_a), (out_b, dx_b, dw_b) = results
+    calls = moe._Segments(counts, device=received.device, row_bytes=2 * INTER * 4).calls
+    assert len(calls) == (2 if call_rows is None else 7)
     assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
     assert all(a is not None and torch.equal(a, b) for a, b in zip(dw_a, dw_b))
 
 
-def test_deferred_weight_grads_equal_immediate():
+def test_deferred_weight_grads_equal_immediate(monkeypatch):
+    monkeypatch.setattr(moe, "_CPU_CALL_BYTES", 8 * 2 * INTER * 4)     # several grouped_mm calls
     x, grad = _inputs(torch.float32)
     want = _step(_layer("grouped"), x, grad)[2]
     layer = _layer("grouped")
@@ -169,14 +177,16 @@ def test_matches_transformers_deepseek_v3_moe():
     abs_products, rows, terms = {}, {}, []
     original = moe._Segments.weight_grad
 
-    def weight_grad(self, g, a, *, shape):
-        (lo, _, ends), = self.sources          # one source rank
-        bounds = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
-        g64, a64 = g[lo:].double().abs(), a[lo:].double().abs()
-        abs_products["gate_up_proj" if shape[0] == 2 * INTER else "down_proj"] = \
-            torch.stack([g64[s:e].t() @ a64[s:e] for s, e in bounds])
-        rows["max"] = max(e - s for s, e in bounds)
-        return original(self, g, a, shape=shape)
+    def weight_grad(self, grads, inputs, *, shape, like):
+        sums = torch.zeros((EXPERTS,) + shape, dtype=torch.float64)
+        for c, (lo, hi, first, ends) in enumerate(self.calls):      # one source rank
+            g = (grads[c] if isinstance(grads, list) else grads[lo:hi]).double().abs()
+            a = (inputs[c] if isinstance(inputs, list) else inputs[lo:hi]).double().abs()
+            for j, (s, e) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist())):
+                sums[first + j] += g[s:e].t() @ a[s:e]
+                rows["max"] = max(rows.get("max", 0), e - s)
+        abs_products["gate_up_proj" if shape[0] == 2 * INTER else "down_proj"] = sums
+        return original(self, grads, inputs, shape=shape, like=like)
 
     ours.gate.register_forward_hook(lambda m, i, out: terms.append(("indices", out[1])))
     ours.gate.register_full_backward_hook(lambda m, gin, gout: terms.append(("router", gin[0])))

@@ -224,7 +224,8 @@ def experts_implementation(*, requested, experts, dtype):
                                  f"or 'loop'")
             layout = "expert weights read in place" if _in_one_buffer(experts) else \
                 "expert weights not in one buffer: stacked, a copy, on every call"
-            choice = ("loop", refused) if refused else ("grouped", f"torch.nn.functional.grouped_mm runs on it; {layout}")
+            choice = ("loop", refused) if refused else \
+                ("grouped", f"torch.nn.functional.grouped_mm runs on it; {layout}")
         _CHOSEN[key] = choice
         _announce(f"seekspeed moe: routed experts on {device.type} {str(dtype).replace('torch.', '')} "
                   f"(hidden {hidden}, moe_intermediate {inter}): {choice[0]} ({choice[1]})")
@@ -237,48 +238,68 @@ def _announce(line):
         print(line, flush=True)
 
 
+# glibc maps an allocation above its mmap threshold (which rises with use to at most
+# 32 MiB) afresh each time, and the first touch faults its pages in one by one; below it
+# freed blocks are reused. On CPU the grouped path therefore runs in calls whose largest
+# activation stays under this size (V2-Lite's experts at hidden 512, one call: 104k
+# page faults a step; a per-expert loop with small tensors: 18).
+_CPU_CALL_BYTES = 16 * 2**20
+
+
+def _cat(parts, empty):
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty
+
+
 class _Segments:
-    """The rows of the experts' input by (source rank, local expert): per source with
-    rows, its row range and the int32 group ends grouped_mm takes."""
+    """The experts' input rows, grouped by source rank, then by local expert (contiguous),
+    and the grouped_mm calls covering them: per source, runs of consecutive local
+    experts (all of them; on CPU as many as keep a run's rows times ``row_bytes`` under
+    _CPU_CALL_BYTES), each call (first row, end row, first expert, int32 ends of its
+    groups relative to the first row). Each group is one (source, expert) segment."""
 
-    def __init__(self, counts, device):
+    def __init__(self, counts, *, device, row_bytes):
         self.num_local = len(counts[0])
-        self.sources, start = [], 0
+        self.calls, start = [], 0
+        limit = _CPU_CALL_BYTES // row_bytes if device.type == "cpu" else None
         for source in counts:
-            rows = sum(source)
-            if rows:
-                ends = torch.tensor(source, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-                self.sources.append((start, start + rows, ends))
-            start += rows
+            first, rows = 0, 0
+            for j, n in enumerate(source):
+                if limit is not None and rows and rows + n > limit:
+                    start = self._call(start, source[first:j], first, device)
+                    first, rows = j, 0
+                rows += n
+            start = self._call(start, source[first:], first, device)
 
-    def mm(self, a, b, *, out_cols):
-        """Rows of ``a`` [rows, K] times each segment's ``b`` [E, K, N] -> [rows, N]."""
-        parts = [F.grouped_mm(a[lo:hi], b, offs=ends) for lo, hi, ends in self.sources]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts) if parts else a.new_empty(0, out_cols)
+    def _call(self, start, sizes, first, device):
+        rows = sum(sizes)
+        if rows:
+            ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+            self.calls.append((start, start + rows, first, ends))
+        return start + rows
 
-    def weight_grad(self, grad, x, *, shape):
-        """Per local expert, the sum over sources of grad_segment^T @ x_segment: a list
-        of E tensors of ``shape``, zeros for an expert no row reached. On CPU one mm per
-        segment, each into its own tensor: what grouped_mm does there, without its one
-        [E, *shape] result, whose fresh pages (553 MB a step for V2-Lite's experts at
-        hidden 512) cost 135k page faults, where the allocator reuses expert-sized
-        blocks. Elsewhere one grouped_mm per source."""
-        if grad.device.type != "cpu":
-            total = None
-            for lo, hi, ends in self.sources:
-                part = F.grouped_mm(grad[lo:hi].t(), x[lo:hi], offs=ends)
-                total = part if total is None else total + part
-            return [grad.new_zeros(shape) for _ in range(self.num_local)] if total is None else list(total.unbind(0))
+    def weight_grad(self, grads, inputs, *, shape, like):
+        """Per local expert, the sum over its segments of grad^T @ input (``grads``,
+        ``inputs``: a list with one tensor per call, or one tensor of every row): a list
+        of E tensors of ``shape``, zeros (``like``'s dtype and device) for an expert no
+        row reached. On CPU one mm per segment, each into its own tensor (what
+        grouped_mm does there, without its one [E, *shape] result: 553 MB of fresh
+        pages a step for V2-Lite's experts at hidden 512); elsewhere one grouped_mm
+        per call."""
         total = [None] * self.num_local
-        for lo, _, ends in self.sources:
-            for j, (start, end) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist())):
-                if start == end and total[j] is not None:
-                    continue
-                part = grad[lo + start:lo + end].t() @ x[lo + start:lo + end]
-                total[j] = part if total[j] is None else total[j] + part
-        return [grad.new_zeros(shape) if t is None else t for t in total]
+        for c, (lo, hi, first, ends) in enumerate(self.calls):
+            grad = grads[c] if isinstance(grads, list) else grads[lo:hi]
+            x = inputs[c] if isinstance(inputs, list) else inputs[lo:hi]
+            if grad.device.type == "cpu":
+                bounds = zip([0] + ends[:-1].tolist(), ends.tolist())
+                parts = [None if s == e and total[first + g] is not None else grad[s:e].t() @ x[s:e]
+                         for g, (s, e) in enumerate(bounds)]
+            else:
+                parts = F.grouped_mm(grad.t(), x, offs=ends).unbind(0)
+            for g, part in enumerate(parts):
+                j = first + g
+                if part is not None:
+                    total[j] = part if total[j] is None else total[j] + part
+        return [like.new_zeros(shape) if t is None else t for t in total]
 
 
 def _activation_backward(act_fn, grad, gate, *, out):
@@ -293,7 +314,7 @@ def _activation_backward(act_fn, grad, gate, *, out):
 
 class _GroupedSwiGLU(torch.autograd.Function):
     """The routed experts on their segments: h = x W_gu^T, a = act(gate) * up,
-    y = a W_down^T, each a grouped matrix multiply with one group per (source, expert)
+    y = a W_down^T, grouped matrix multiplies with one group per (source, expert)
     segment, on the same views of the same rows as ExpertMLP's ``linear`` calls (on CPU
     grouped_mm runs one mm per group), keeping what autograd keeps for the loop (x, h,
     act(gate), a). Backward gives the input gradient at once and the experts' weight
@@ -304,40 +325,51 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, act_fn, *weights):
         experts = len(weights) // 2
-        segments = _Segments(counts, x.device)
         x = x.contiguous()
         gate_up, down = _stacked(weights[:experts]), _stacked(weights[experts:])
-        h = segments.mm(x, gate_up.transpose(1, 2), out_cols=gate_up.shape[1])
-        gate, up = h.chunk(2, dim=-1)
-        act = act_fn(gate)
-        a = act * up
-        ctx.save_for_backward(x, h, act, a, *weights)
+        segments = _Segments(counts, device=x.device, row_bytes=gate_up.shape[1] * x.element_size())
+        hs, acts, outs = [], [], []
+        for lo, hi, first, ends in segments.calls:
+            h = F.grouped_mm(x[lo:hi], gate_up[first:first + len(ends)].transpose(1, 2), offs=ends)
+            gate, up = h.chunk(2, dim=-1)
+            hs.append(h)
+            acts.append(act_fn(gate))
+            outs.append(acts[-1] * up)
+        ctx.save_for_backward(x, *hs, *acts, *outs, *weights)
+        outs = [F.grouped_mm(a, down[first:first + len(ends)].transpose(1, 2), offs=ends)
+                for a, (_, _, first, ends) in zip(outs, segments.calls)]
         ctx.segments, ctx.act_fn, ctx.experts = segments, act_fn, experts
-        return segments.mm(a, down.transpose(1, 2), out_cols=down.shape[1])
+        return _cat(outs, x.new_empty(0, down.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, act, a, *weights = ctx.saved_tensors
-        segments, experts = ctx.segments, ctx.experts
+        segments, experts, calls = ctx.segments, ctx.experts, len(ctx.segments.calls)
+        x, *saved = ctx.saved_tensors
+        hs, acts, as_, weights = saved[:calls], saved[calls:2 * calls], saved[2 * calls:3 * calls], saved[3 * calls:]
         gate_up_params, down_params = weights[:experts], weights[experts:]
         grad_out = grad_out.contiguous()
         gate_up, down = _stacked(gate_up_params), _stacked(down_params)
-        gate, up = h.chunk(2, dim=-1)
-        grad_h = torch.empty_like(h)
-        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
-        grad_a = segments.mm(grad_out, down, out_cols=down.shape[2])
-        torch.mul(grad_a, act, out=grad_up)
-        _activation_backward(ctx.act_fn, grad_a.mul_(up), gate, out=grad_gate)
-        del grad_a
-        grad_x = segments.mm(grad_h, gate_up, out_cols=gate_up.shape[2]) if ctx.needs_input_grad[0] else None
+        grad_hs, grad_xs = [], []
+        for (lo, hi, first, ends), h, act in zip(segments.calls, hs, acts):
+            gate, up = h.chunk(2, dim=-1)
+            grad_h = torch.empty_like(h)
+            grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+            grad_a = F.grouped_mm(grad_out[lo:hi], down[first:first + len(ends)], offs=ends)
+            torch.mul(grad_a, act, out=grad_up)
+            _activation_backward(ctx.act_fn, grad_a.mul_(up), gate, out=grad_gate)
+            del grad_a
+            grad_hs.append(grad_h)
+            if ctx.needs_input_grad[0]:
+                grad_xs.append(F.grouped_mm(grad_h, gate_up[first:first + len(ends)], offs=ends))
+        grad_x = _cat(grad_xs, x.new_empty(0, x.shape[1])) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[3:]):
             return (grad_x, None, None) + (None,) * len(weights)
         gate_up_shape, down_shape = tuple(gate_up.shape[1:]), tuple(down.shape[1:])
         del gate_up, down       # a stacked copy (experts not in one buffer) is not kept for a W slot
 
         def weight_grads():
-            return (segments.weight_grad(grad_h, x, shape=gate_up_shape),
-                    segments.weight_grad(grad_out, a, shape=down_shape))
+            return (segments.weight_grad(grad_hs, x, shape=gate_up_shape, like=x),
+                    segments.weight_grad(grad_out, list(as_), shape=down_shape, like=x))
 
         if WeightGradStore.enabled:
             def deferred():
