@@ -154,6 +154,24 @@ def to_hf_state_dict(state_dict, config):
     return out
 
 
+def moe_layer_to_hf(state_dict):
+    """One DeepSeekMoE layer's state dict (all experts, no expert parallelism) in the
+    names and layout of transformers' DeepseekV3MoE (``experts.gate_up_proj`` [E, 2I, H],
+    ``shared_experts.*``), to load into it on its own."""
+    import torch
+    out, experts = {}, {}
+    for key, tensor in state_dict.items():
+        name, index = _to_hf_name(f"layer.mlp.{key}")
+        name = name[len("layer.mlp."):]
+        if index is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(name, {})[index] = tensor
+    for name, rows in experts.items():
+        out[name] = torch.stack([rows[i] for i in range(len(rows))])
+    return out
+
+
 def copy_into_transformers(hf_model, state_dict, config):
     """The other direction: copy a whole-model recipe state dict into a transformers
     DeepseekV3ForCausalLM. Returns the number of tensors copied."""

@@ -3,8 +3,9 @@ SwiGLU experts, a sigmoid router in fp32 whose ``e_score_correction_bias`` only
 chooses experts, group-limited top-k, optional normalisation and a routed scaling
 factor. No token is dropped.
 
-Experts are stored packed (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) as in
-transformers.
+Each routed expert is its own module with transformers' per-expert rows
+(``gate_up_proj`` [2I, H], ``down_proj`` [H, I] of its packed [E, ...] tensors), all of
+a layer's experts laid out in one buffer (``pack_expert_parameters``).
 
 Load balancing as in the DeepSeek-V3 report:
 - auxiliary-loss-free: the router counts the tokens each expert receives during a
@@ -13,6 +14,11 @@ Load balancing as in the DeepSeek-V3 report:
   more than the mean load, up when less), with counts summed over data-parallel ranks;
 - the sequence-wise balance loss ``alpha * sum_i f_i P_i`` (per sequence, averaged),
   added to the gradient through the routing weights, so no stage has to return it.
+
+Routed experts run as grouped matrix multiplies (``torch.nn.functional.grouped_mm``,
+one group per (source rank, local expert) segment) where the device, dtype and shape
+allow them, else as one Python iteration per segment (``experts_impl`` "loop"); see
+``experts_implementation``.
 """
 
 import torch
@@ -21,7 +27,7 @@ from torch import nn
 
 from ds_ext.comm import alltoall
 from ds_ext.pipe.overlap import interleaving
-from ds_ext.pipe.zero_bubble import linear
+from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
 from .mlp import ACTIVATIONS, SwiGLU
 
@@ -122,6 +128,264 @@ class ExpertMLP(nn.Module):
         return linear(self.act_fn(gate) * up, self.down_proj)
 
 
+EXPERTS_IMPLS = ("auto", "grouped", "loop")
+_CHOSEN = {}    # (device, dtype, weight dtype, hidden, moe_intermediate, requested) -> (implementation, why)
+
+
+def pack_expert_parameters(experts):
+    """Lay the experts' ``gate_up_proj`` and ``down_proj`` out in one buffer, expert after
+    expert, each still its own Parameter (a view of it), so the grouped path reads them
+    as [E, ...] tensors without copying (``stacked_view``). DeepSpeed's ZeRO flat
+    buffers keep this order, so the layout usually survives its flattening too."""
+    params = [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+    if not params or _in_one_buffer(experts):
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        view = flat[offset:offset + p.numel()].view_as(p)
+        if not p.is_meta:
+            view.copy_(p.detach())
+        p.data = view
+        offset += p.numel()
+
+
+def _in_one_buffer(experts):
+    return all(stacked_view([getattr(e, name) for e in experts]) is not None for name in ("gate_up_proj", "down_proj"))
+
+
+def stacked_view(tensors):
+    """``torch.stack(tensors)`` as a view when the tensors (contiguous, one shape) lie
+    equally spaced in one storage, else None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+               for t in tensors):
+        return None
+    if len(tensors) > 1:
+        if first.is_meta or any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                for t in tensors):
+            return None
+        step = tensors[1].storage_offset() - first.storage_offset()
+        if step < first.numel() or any(t.storage_offset() != first.storage_offset() + i * step
+                                       for i, t in enumerate(tensors)):
+            return None
+    else:
+        step = first.numel()
+    return first.detach().as_strided((len(tensors),) + tuple(first.shape), (step,) + first.stride())
+
+
+def _stacked(tensors):
+    view = stacked_view(tensors)
+    return torch.stack([t.detach() for t in tensors]) if view is None else view
+
+
+def _probe_grouped_mm(*, gate_up, down, dtype):
+    """None when grouped_mm runs the six grouped products of the experts' forward and
+    backward on ``gate_up`` [G, 2I, H] and ``down`` [G, H, I] (groups of 0 and 2 rows),
+    else why not."""
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    groups, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    offs = torch.tensor([0] * (groups - 1) + [2], dtype=torch.int32, device=gate_up.device)
+    x = torch.zeros(2, hidden, dtype=dtype, device=gate_up.device)
+    try:
+        h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs)
+        y = F.grouped_mm(h[:, :inter].contiguous(), down.transpose(1, 2), offs=offs)
+        F.grouped_mm(y, down, offs=offs)
+        F.grouped_mm(h, gate_up, offs=offs)
+        F.grouped_mm(y.t(), h[:, :inter].contiguous(), offs=offs)
+        F.grouped_mm(h.t(), x, offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return f"grouped_mm refused it: {str(exc).splitlines()[0]}"
+    return None
+
+
+def experts_implementation(*, requested, experts, dtype):
+    """("grouped" | "loop", why) for ``experts`` (the routed ExpertMLPs of a layer) on
+    activations of ``dtype``. "auto" is grouped where grouped_mm runs the experts'
+    products on this device, dtype and shape (probed once per process on the first
+    two experts), else the per-expert loop. The choice is printed once per key."""
+    if requested not in EXPERTS_IMPLS:
+        raise ValueError(f"experts_impl {requested!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
+    first = experts[0]
+    hidden, inter = first.down_proj.shape
+    device = first.down_proj.device
+    key = (device.type, dtype, first.down_proj.dtype, hidden, inter, requested)
+    if key not in _CHOSEN:
+        if requested == "loop":
+            choice = ("loop", "experts_impl 'loop'")
+        else:
+            sample = list(experts)[:2]
+            refused = None if first.down_proj.dtype == dtype else \
+                f"expert weights are {first.down_proj.dtype}, activations {dtype}"
+            refused = refused or _probe_grouped_mm(gate_up=_stacked([e.gate_up_proj for e in sample]),
+                                                   down=_stacked([e.down_proj for e in sample]), dtype=dtype)
+            if refused and requested == "grouped":
+                raise ValueError(f"experts_impl 'grouped' on {device.type} {dtype} (hidden {hidden}, moe_intermediate "
+                                 f"{inter}): {refused}; use experts_impl 'auto' (falls back to the per-expert loop) "
+                                 f"or 'loop'")
+            layout = "expert weights read in place" if _in_one_buffer(experts) else \
+                "expert weights not in one buffer: stacked, a copy, on every call"
+            choice = ("loop", refused) if refused else \
+                ("grouped", f"torch.nn.functional.grouped_mm runs on it; {layout}")
+        _CHOSEN[key] = choice
+        _announce(f"seekspeed moe: routed experts on {device.type} {str(dtype).replace('torch.', '')} "
+                  f"(hidden {hidden}, moe_intermediate {inter}): {choice[0]} ({choice[1]})")
+    return _CHOSEN[key]
+
+
+def _announce(line):
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() or \
+            torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+# glibc maps an allocation above its mmap threshold (which rises with use to at most
+# 32 MiB) afresh each time, and the first touch faults its pages in one by one; below it
+# freed blocks are reused. On CPU the grouped path therefore runs in calls whose largest
+# activation stays under this size (V2-Lite's experts at hidden 512, one call: 104k
+# page faults a step; a per-expert loop with small tensors: 18).
+_CPU_CALL_BYTES = 16 * 2**20
+
+
+def _cat(parts, empty):
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty
+
+
+class _Segments:
+    """The experts' input rows, grouped by source rank, then by local expert (contiguous),
+    and the grouped_mm calls covering them: per source, runs of consecutive local
+    experts (all of them; on CPU as many as keep a run's rows times ``row_bytes`` under
+    _CPU_CALL_BYTES), each call (first row, end row, first expert, int32 ends of its
+    groups relative to the first row). Each group is one (source, expert) segment."""
+
+    def __init__(self, counts, *, device, row_bytes):
+        self.num_local = len(counts[0])
+        self.calls, start = [], 0
+        limit = _CPU_CALL_BYTES // row_bytes if device.type == "cpu" else None
+        for source in counts:
+            first, rows = 0, 0
+            for j, n in enumerate(source):
+                if limit is not None and rows and rows + n > limit:
+                    start = self._call(start, source[first:j], first, device)
+                    first, rows = j, 0
+                rows += n
+            start = self._call(start, source[first:], first, device)
+
+    def _call(self, start, sizes, first, device):
+        rows = sum(sizes)
+        if rows:
+            ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+            self.calls.append((start, start + rows, first, ends))
+        return start + rows
+
+    def weight_grad(self, grads, inputs, *, shape, like):
+        """Per local expert, the sum over its segments of grad^T @ input (``grads``,
+        ``inputs``: a list with one tensor per call, or one tensor of every row): a list
+        of E tensors of ``shape``, zeros (``like``'s dtype and device) for an expert no
+        row reached. On CPU one mm per segment, each into its own tensor (what
+        grouped_mm does there, without its one [E, *shape] result: 553 MB of fresh
+        pages a step for V2-Lite's experts at hidden 512); elsewhere one grouped_mm
+        per call."""
+        total = [None] * self.num_local
+        for c, (lo, hi, first, ends) in enumerate(self.calls):
+            grad = grads[c] if isinstance(grads, list) else grads[lo:hi]
+            x = inputs[c] if isinstance(inputs, list) else inputs[lo:hi]
+            if grad.device.type == "cpu":
+                bounds = zip([0] + ends[:-1].tolist(), ends.tolist())
+                parts = [None if s == e and total[first + g] is not None else grad[s:e].t() @ x[s:e]
+                         for g, (s, e) in enumerate(bounds)]
+            else:
+                parts = F.grouped_mm(grad.t(), x, offs=ends).unbind(0)
+            for g, part in enumerate(parts):
+                j = first + g
+                if part is not None:
+                    total[j] = part if total[j] is None else total[j] + part
+        return [like.new_zeros(shape) if t is None else t for t in total]
+
+
+def _activation_backward(act_fn, grad, gate, *, out):
+    """``out`` = grad * act_fn'(gate), as autograd computes it for ``act_fn(gate)``."""
+    if act_fn is F.silu:
+        torch.ops.aten.silu_backward.grad_input(grad, gate, grad_input=out)
+        return
+    with torch.enable_grad():
+        leaf = gate.detach().requires_grad_(True)
+        out.copy_(torch.autograd.grad(act_fn(leaf), leaf, grad)[0])
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """The routed experts on their segments: h = x W_gu^T, a = act(gate) * up,
+    y = a W_down^T, grouped matrix multiplies with one group per (source, expert)
+    segment, on the same views of the same rows as ExpertMLP's ``linear`` calls (on CPU
+    grouped_mm runs one mm per group), keeping what autograd keeps for the loop (x, h,
+    act(gate), a). Backward gives the input gradient at once and the experts' weight
+    gradients at once, or queues them with WeightGradStore.put when zero-bubble
+    deferral is on, as ``linear`` does. Every expert gets a weight gradient, zeros
+    when no token reached it."""
+
+    @staticmethod
+    def forward(ctx, x, counts, act_fn, *weights):
+        experts = len(weights) // 2
+        x = x.contiguous()
+        gate_up, down = _stacked(weights[:experts]), _stacked(weights[experts:])
+        segments = _Segments(counts, device=x.device, row_bytes=gate_up.shape[1] * x.element_size())
+        hs, acts, outs = [], [], []
+        for lo, hi, first, ends in segments.calls:
+            h = F.grouped_mm(x[lo:hi], gate_up[first:first + len(ends)].transpose(1, 2), offs=ends)
+            gate, up = h.chunk(2, dim=-1)
+            hs.append(h)
+            acts.append(act_fn(gate))
+            outs.append(acts[-1] * up)
+        ctx.save_for_backward(x, *hs, *acts, *outs, *weights)
+        outs = [F.grouped_mm(a, down[first:first + len(ends)].transpose(1, 2), offs=ends)
+                for a, (_, _, first, ends) in zip(outs, segments.calls)]
+        ctx.segments, ctx.act_fn, ctx.experts = segments, act_fn, experts
+        return _cat(outs, x.new_empty(0, down.shape[1]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        segments, experts, calls = ctx.segments, ctx.experts, len(ctx.segments.calls)
+        x, *saved = ctx.saved_tensors
+        hs, acts, as_, weights = saved[:calls], saved[calls:2 * calls], saved[2 * calls:3 * calls], saved[3 * calls:]
+        gate_up_params, down_params = weights[:experts], weights[experts:]
+        grad_out = grad_out.contiguous()
+        gate_up, down = _stacked(gate_up_params), _stacked(down_params)
+        grad_hs, grad_xs = [], []
+        for (lo, hi, first, ends), h, act in zip(segments.calls, hs, acts):
+            gate, up = h.chunk(2, dim=-1)
+            grad_h = torch.empty_like(h)
+            grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+            grad_a = F.grouped_mm(grad_out[lo:hi], down[first:first + len(ends)], offs=ends)
+            torch.mul(grad_a, act, out=grad_up)
+            _activation_backward(ctx.act_fn, grad_a.mul_(up), gate, out=grad_gate)
+            del grad_a
+            grad_hs.append(grad_h)
+            if ctx.needs_input_grad[0]:
+                grad_xs.append(F.grouped_mm(grad_h, gate_up[first:first + len(ends)], offs=ends))
+        grad_x = _cat(grad_xs, x.new_empty(0, x.shape[1])) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[3:]):
+            return (grad_x, None, None) + (None,) * len(weights)
+        gate_up_shape, down_shape = tuple(gate_up.shape[1:]), tuple(down.shape[1:])
+        del gate_up, down       # a stacked copy (experts not in one buffer) is not kept for a W slot
+
+        def weight_grads():
+            return (segments.weight_grad(grad_hs, x, shape=gate_up_shape, like=x),
+                    segments.weight_grad(grad_out, list(as_), shape=down_shape, like=x))
+
+        if WeightGradStore.enabled:
+            def deferred():
+                grad_gate_up, grad_down = weight_grads()
+                for param, grad in zip(gate_up_params, grad_gate_up):
+                    _accumulate(param, grad)
+                for param, grad in zip(down_params, grad_down):
+                    _accumulate(param, grad)
+            WeightGradStore.put(deferred)
+            return (grad_x, None, None) + (None,) * len(weights)
+        grad_gate_up, grad_down = weight_grads()
+        return (grad_x, None, None) + tuple(grad_gate_up) + tuple(grad_down)
+
+
 def _moe_base():
     from deepspeed.moe.layer import MoE
     return MoE
@@ -140,11 +404,14 @@ class DeepSeekMoE(_moe_base()):
     # switch halves at them (ds_ext/pipe/overlap.py)
     async_all_to_all = True
 
-    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0):
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto"):
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
         if c.n_routed_experts % ep_size:
             raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by expert_parallel_size {ep_size}")
+        if experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl {experts_impl!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
+        self.experts_impl = experts_impl
         self.num_experts = c.n_routed_experts
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = c.n_routed_experts // ep_size
@@ -155,6 +422,7 @@ class DeepSeekMoE(_moe_base()):
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(ExpertMLP(c) for _ in range(self.num_local_experts))
+        pack_expert_parameters(self.deepspeed_moe.experts.deepspeed_experts)
         for p in self.deepspeed_moe.experts.parameters():
             p.allreduce = False
             p.group_name = self.expert_group_name
@@ -165,6 +433,17 @@ class DeepSeekMoE(_moe_base()):
     @property
     def experts(self):
         return self.deepspeed_moe.experts.deepspeed_experts
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)`` and the like give every parameter its own new tensor; lay the
+        experts out in one buffer again then (only then: a conversion that kept the
+        tensors, e.g. to the device they are on, must not move them out of DeepSpeed's
+        flat buffers)."""
+        before = [p.data_ptr() for p in self.experts.parameters()]
+        out = super()._apply(fn, recurse)
+        if [p.data_ptr() for p in self.experts.parameters()] != before:
+            pack_expert_parameters(self.experts)
+        return out
 
     def first_expert(self):
         return self.ep_rank * self.num_local_experts
@@ -240,7 +519,12 @@ class DeepSeekMoE(_moe_base()):
         segment is its own matrix multiply, the one the source rank would run on its own
         tokens with expert parallelism off: the same shapes, so the same arithmetic on
         every expert-parallel degree; only the weight-gradient sum over sources differs
-        (a sum of two terms for degree 2, which commutes)."""
+        (a sum of two terms for degree 2, which commutes). The grouped path runs the same
+        segments as grouped matrix multiplies (_GroupedSwiGLU)."""
+        impl, _ = experts_implementation(requested=self.experts_impl, experts=self.experts, dtype=received.dtype)
+        if impl == "grouped":
+            weights = [e.gate_up_proj for e in self.experts] + [e.down_proj for e in self.experts]
+            return _GroupedSwiGLU.apply(received, counts, self.experts[0].act_fn, *weights)
         pieces, ran = [], set()
         start = 0
         for source in counts:
