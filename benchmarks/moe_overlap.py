@@ -237,6 +237,9 @@ def main():
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--master-port", type=int, default=29741)
     p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--experts-shapes", nargs="*", default=["v2-lite-h512", "tiny-moe"],
+                   help="also time the routed experts (benchmarks/grouped_experts.py) on these shapes, one process")
+    p.add_argument("--experts-repeats", type=int, default=3)
     p.add_argument("--trace-dir", help="write each engine's last step as a Chrome trace and a PNG here")
     p.add_argument("--json")
     p.add_argument("--rows-json", help=argparse.SUPPRESS)
@@ -265,7 +268,19 @@ def main():
         hidden = f"{r['fb_hidden']:.0%}" if r["fb_hidden"] is not None else "-"
         print(f"{r['schedule']:<14} {r['overlap']:<7} {r['step_ms']:8.0f} {r['speedup_vs_1f1b']:7.2f}x "
               f"{r['a2a_issued_ms']:13.0f} {r['a2a_exposed_ms']:10.0f} {r['fb_a2a_exposed_ms']:10.0f} {hidden:>13}")
+    experts, experts_ratios = [], {}
+    if args.experts_shapes:
+        from benchmarks.grouped_experts import experts_rows, ratios
+        experts = experts_rows(shapes=args.experts_shapes, repeats=args.experts_repeats)
+        experts_ratios = ratios(experts)
+        print(f"\nrouted experts, one process, 2 threads, forward + backward, median of {args.experts_repeats} (ms):")
+        for shape, r in experts_ratios.items():
+            ms = {e["impl"]: e["ms"] for e in experts if e["shape"] == shape}
+            print(f"  {shape:<14} " + "  ".join(f"{k} {v:,.1f}" for k, v in ms.items())
+                  + f"  | loop/grouped {r['loop_over_grouped']:.2f}x, best transformers/grouped "
+                    f"{r['fastest_transformers_over_grouped']:.2f}x")
     write_figures(args.json, {"moe": args.moe, "rate": args.rate, "a2a_share_of_1f1b_step": share,
+                              "experts": experts, "experts_ratios": experts_ratios,
                               "shape": _model_overrides(args) | {"micro_batch": args.micro_batch, "seq": args.seq,
                                                                  "micro_batches": args.micro_batches},
                               "rows": rows})

@@ -485,14 +485,14 @@ class DeepSeekMoE(_moe_base()):
         token_of = order // k
         per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
         group = self.ep_group if self.ep_size > 1 else None
-        # Interleaved with another micro-batch's half (ds_ext/pipe/overlap.py), the dispatch
-        # runs behind that half and the shared expert covers the counts exchange (its
-        # latency, and a peer rank's lag behind this one); alone, it covers the dispatch.
-        # Autograd adds the input's gradients in the same order either way.
+        # Interleaved with another micro-batch's half (ds_ext/pipe/overlap.py), the counts
+        # exchange (a few bytes, but queued behind whatever the link still carries) and
+        # the dispatch each run behind that half, the shared expert before the counts are
+        # needed; alone, the shared expert covers the dispatch. Autograd adds the input's
+        # gradients in the same order either way.
         interleaved = interleaving()
         counts = alltoall.start(per_expert, out_splits=[self.num_local_experts] * self.ep_size,
-                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts",
-                                hand_over=False)
+                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts")
         sent = flat[token_of]
         if interleaved:
             shared = self.shared_mlp(x)
