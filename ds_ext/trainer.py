@@ -602,9 +602,7 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         if parts and progress.is_log_step(step):
             extra = " | ".join(f"{name} {float(value):.4f}" for name, value in parts.items())
         if has_moe:
-            loads = moe.update_expert_biases(engine.module, speed=s.moe.bias_update_speed,
-                                             group=grid.get_data_parallel_group())
-            balance = moe.take_balance_loss(engine.module)
+            loads, balance = moe_step_update(engine, speed=s.moe.bias_update_speed)
             if progress.is_log_step(step):
                 moe_stats = _moe_stats(control, loads if dp_rank == 0 else None, balance if dp_rank == 0 else None)
                 extra = f"{extra} | {moe_stats['line']}" if extra else moe_stats["line"]
@@ -735,6 +733,19 @@ def _write_pipe_trace(directory, engine, control, origin, *, rank, stage, dp_ran
     write_chrome_trace(lanes, os.path.join(directory, "pipeline_trace.json"), name=title)
     plot_timeline(lanes, os.path.join(directory, "pipeline_timeline.png"), title=title)
     print(f"pipeline trace: {directory}/pipeline_trace.json, {directory}/pipeline_timeline.png", flush=True)
+
+
+def moe_step_update(engine, *, speed):
+    """After an optimizer step: the routers' bias update (loads summed over the stage's
+    replicas) and this rank's balance loss. Under dualpipe each stage's two copies (a
+    rank pair) see half the micro-batches each: their loads are summed too, so both
+    copies' biases move alike, and each layer's balance loss is the mean of its copies'."""
+    pair = getattr(engine, "_pair_group", None)
+    loads = moe.update_expert_biases(engine.module, speed=speed, group=[engine.grid.get_data_parallel_group(), pair])
+    balance = moe.take_balance_loss(engine.module)
+    if pair is not None and balance is not None:
+        balance /= 2
+    return loads, balance
 
 
 def _moe_stats(control, loads, balance):

@@ -553,14 +553,18 @@ def configure_balancing(module, *, alpha, grad_scale):
 @torch.no_grad()
 def update_expert_biases(module, *, speed, group=None):
     """After an optimizer step: sum each router's expert loads over ``group`` (the
-    data-parallel ranks of this stage), move the biases by ``speed`` against the
-    imbalance, clear the counts. Returns {router name: summed load}."""
+    data-parallel ranks of this stage; or several groups in turn, e.g. also the rank
+    pair holding dualpipe's two copies of each stage, whose routers must move alike),
+    move the biases by ``speed`` against the imbalance, clear the counts. Returns
+    {router name: summed load}."""
     found = routers(module)
     if not found:
         return {}
     loads = torch.cat([r.expert_load for _, r in found])
-    if group is not None and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(loads, group=group)
+    groups = group if isinstance(group, (list, tuple)) else [group]
+    for g in groups:
+        if g is not None and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(loads, group=g)
     out = {}
     for (name, router), load in zip(found, loads.split([r.num_experts for _, r in found])):
         if speed > 0:
