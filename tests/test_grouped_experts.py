@@ -130,11 +130,11 @@ def test_fallback_and_errors(monkeypatch, capsys):
     x, grad = _inputs(torch.bfloat16, hidden=60)
     out, dx, grads = _step(layer, x, grad)
     assert torch.isfinite(out.float()).all() and all(g is not None for g in grads.values())
-    line = capsys.readouterr().out.strip().splitlines()
+    line = capsys.readouterr().err.strip().splitlines()
     assert line == ["seekspeed moe: routed experts on cpu bfloat16 (hidden 60, moe_intermediate 48): loop "
                     "(grouped_mm refused it: strides should be multiple of 16 bytes)"]
     layer(x)
-    assert capsys.readouterr().out == ""       # decided and printed once
+    assert capsys.readouterr().err == ""       # decided and printed once
     with pytest.raises(ValueError, match="experts_impl 'grouped' on cpu torch.bfloat16 .* use experts_impl 'auto'"):
         _layer("grouped", dtype=torch.bfloat16, config=config)(x)
     with pytest.raises(ValueError, match=r"experts_impl 'fast' is unknown: use one of \['auto', 'grouped', 'loop'\]"):

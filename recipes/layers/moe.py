@@ -21,6 +21,8 @@ allow them, else as one Python iteration per segment (``experts_impl`` "loop"); 
 ``experts_implementation``.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -235,9 +237,11 @@ def experts_implementation(*, requested, experts, dtype):
 
 
 def _announce(line):
+    """The choice, once, on rank 0, to stderr: a log line, not output (generate.py
+    writes its text to stdout)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized() or \
             torch.distributed.get_rank() == 0:
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
 # glibc maps an allocation above its mmap threshold (which rises with use to at most
