@@ -18,9 +18,9 @@ step, the ranks' mean all-to-all figures):
 - fb_a2a_exposed_ms: the same, inside F&B chunks only. The goal counts these:
   hidden = 1 - fb_exposed(layer) / fb_exposed(none).
 
-``--moe sleep`` replaces the compute of the routed and shared experts with sleeps of
-the measured-by-design cost (--sleep-ms per expert call forward, twice that backward)
-around the real all-to-all bytes: the CPU is then free while a half "computes", which
+``--moe sleep`` replaces the compute of the routed experts and of every SwiGLU MLP (the
+shared experts and the first, dense layer's MLP) with sleeps of a set cost (--sleep-ms
+per call forward, twice that backward) around the real all-to-all bytes: the CPU is then free while a half "computes", which
 separates what the overlap hides from what two processes per core take from each other.
 
     sudo python benchmarks/moe_overlap.py --json benchmarks/results/moe_overlap.json
@@ -55,8 +55,9 @@ def _model_overrides(args):
 
 
 def _sleep_moe(sleep_s):
-    """Route the experts' compute through sleeps: forward ``sleep_s`` per call, backward
-    twice that; the values are a cheap elementwise function, so gradients still flow."""
+    """Route the routed experts' and every SwiGLU MLP's compute (shared experts, the
+    dense layer's MLP) through sleeps: forward ``sleep_s`` per call, backward twice that;
+    the values are a cheap elementwise function, so gradients still flow."""
     import torch
     from recipes.layers import moe
 

@@ -29,11 +29,10 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .pipe import SCHEDULES, check_micro_batches, check_schedule
+from .pipe import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_micro_batches, check_schedule
+from .schema import from_dict
 
 OVERLAP_CHOICES = ("auto", "layer", "none")
-OVERLAP_SCHEDULES = ("dualpipev-zb", "dualpipe")
-from .schema import from_dict
 
 SECTION = "seekspeed"
 
@@ -352,11 +351,11 @@ class SeekspeedSection:
         the schedule or the model cannot use is refused."""
         ep = self.moe.expert_parallel_size
         if self.overlap == "auto":
-            return "layer" if self.schedule in OVERLAP_SCHEDULES and has_moe and ep > 1 else "none"
+            return "layer" if self.schedule in ZERO_BUBBLE_SCHEDULES and has_moe and ep > 1 else "none"
         if self.overlap == "layer":
-            if self.schedule not in OVERLAP_SCHEDULES:
+            if self.schedule not in ZERO_BUBBLE_SCHEDULES:
                 raise ConfigError(f"{where}.overlap 'layer' interleaves F&B chunks, which only schedules "
-                                  f"{' and '.join(OVERLAP_SCHEDULES)} run; schedule {self.schedule!r} takes 'none' "
+                                  f"{' and '.join(ZERO_BUBBLE_SCHEDULES)} run; schedule {self.schedule!r} takes 'none' "
                                   f"(its all-to-alls still overlap the shared expert)")
             if not has_moe or ep == 1:
                 raise ConfigError(f"{where}.overlap 'layer' hides expert-parallel all-to-alls, and this run has none "
@@ -429,7 +428,7 @@ def _dtypes(ds):
 def check_precision(ds, *, schedule, zero):
     """The weights' and accumulation dtypes DeepSpeed and the schedule can train with."""
     model, accum = _dtypes(ds)
-    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and schedule in ("dualpipev-zb", "dualpipe"):
+    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and schedule in ZERO_BUBBLE_SCHEDULES:
         raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
                           f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
                           f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")

@@ -65,11 +65,10 @@ class Exchange:
         return self.out
 
 
-def start(tensor, *, out_splits, in_splits, group, label, hand_over=True):
+def start(tensor, *, out_splits, in_splits, group, label):
     """Issue ``all_to_all_single`` of ``tensor`` (rows split ``in_splits`` over the
-    group's ranks, ``out_splits`` rows received from each) without waiting; then (with
-    ``hand_over``) let the other half of an interleaved F&B chunk run. ``group`` None:
-    the identity."""
+    group's ranks, ``out_splits`` rows received from each) without waiting; then let the
+    other half of an interleaved F&B chunk run. ``group`` None: the identity."""
     if group is None:
         return Exchange(tensor, None, None, label)
     from deepspeed import comm as dist
@@ -78,8 +77,7 @@ def start(tensor, *, out_splits, in_splits, group, label, hand_over=True):
     work = dist.all_to_all_single(out, source, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=True)
     exchange = Exchange(out, work, source, label)
-    if hand_over:
-        switch()
+    switch()
     return exchange
 
 

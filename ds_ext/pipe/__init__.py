@@ -12,6 +12,9 @@
 from ds_ext.errors import ConfigError
 
 SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb", "dualpipe")
+# on SeekspeedDualPipeVEngine: zero-bubble W slots, and F&B chunks that overlap "layer"
+# can interleave (ds_ext/pipe/overlap.py)
+ZERO_BUBBLE_SCHEDULES = ("dualpipev-zb", "dualpipe")
 DUALPIPEV_FAMILY = ("dualpipev", "dualpipev-zb")
 
 

@@ -24,7 +24,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ds_ext.comm import alltoall
 
-from . import schedules
+from . import ZERO_BUBBLE_SCHEDULES, schedules
 from .overlap import Interleaver, PerThread
 from .zero_bubble import WeightGradStore
 
@@ -384,9 +384,9 @@ def _engine_class(schedule, overlap="none"):
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from ds_ext.comm.install import CompressedReduction
     from ds_ext.checkpoint.engine import AsyncCheckpointing
-    if overlap != "none" and schedule not in ("dualpipev-zb", "dualpipe"):
-        raise ValueError(f"overlap {overlap!r} interleaves F&B chunks, which only schedules dualpipev-zb and dualpipe "
-                         f"have; schedule {schedule!r} takes overlap 'none'")
+    if overlap != "none" and schedule not in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"overlap {overlap!r} interleaves F&B chunks, which only schedules "
+                         f"{' and '.join(ZERO_BUBBLE_SCHEDULES)} have; schedule {schedule!r} takes overlap 'none'")
     if schedule == "1f1b":
         base, extra = (_TimedSchedule, PipelineEngine), {}
     elif schedule == "dualpipev":

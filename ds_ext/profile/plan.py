@@ -256,7 +256,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
     from ds_ext.comm.traffic import payload_bytes
     from ds_ext.config import fp32_grad_accumulation, load_config, mixed_precision
-    from ds_ext.pipe import rank_chunks, virtual_stages
+    from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES, rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
     from ds_ext.topology.placement import choose, rank_of
     from ds_ext.topology.setup import estimate_traffic
@@ -334,7 +334,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         a2a_bw = (hw.inter_gbps if len({node(0, d) for d in range(ep)}) > 1 else hw.intra_gbps) * GB
         a2a_layer = 2 * tokens * mc.num_experts_per_tok * h * a * (ep - 1) / ep
     recompute_passes = 1 if interval > 0 else 0
-    overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0) if s.overlap != "none" else "none"
+    overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0)
     shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.flops
     F, B, W, compute_f, compute_b, a2a_f, a2a_b, exposed_f, exposed_b = ([] for _ in range(9))
     for rows in chunks:
@@ -363,7 +363,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         return (compute_f[sf] + compute_b[sb] + max(0.0, exposed_f[sf] - compute_b[sb])
                 + max(0.0, exposed_b[sb] - compute_f[sf]))
 
-    zb = s.schedule in ("dualpipev-zb", "dualpipe")
+    zb = s.schedule in ZERO_BUBBLE_SCHEDULES
     if not zb:
         W = 0.0
     p2p_bytes = tokens * h * a * (2 if mc.num_mtp_layers else 1)
