@@ -237,8 +237,13 @@ class TopologySection:
 @dataclass(kw_only=True)
 class CommSection:
     # the data-parallel gradient reduction: "none" (DeepSpeed's own, untouched), "fp32" (dense
-    # through seekspeed's chunked/hierarchical path), "bf16"/"fp16" (cast), "int8", "topk", "powersgd"
+    # through seekspeed's chunked/hierarchical path), "bf16"/"fp16" (cast), "int8", "int4", "sign",
+    # "topk", "powersgd"
     compressor: str = "none"
+    # what crosses the group after warmup_steps: "gradient" (the averaged gradient) or "momentum"
+    # (Adam/AdamW only: the second moment frozen after the dense warm-up, each rank's momentum
+    # compressed with error feedback on the worker and the server side, as 1-bit Adam does)
+    target: str = "gradient"
     # topk
     ratio: float = 0.01
     selection: str = "sampled"      # "exact" (torch.topk) or "sampled" (DGC threshold from a sample)
@@ -248,7 +253,7 @@ class CommSection:
     #                                 "torch" (torch ops, same result), "auto" (fused when it builds)
     # powersgd
     rank: int = 4
-    # int8
+    # int8, int4
     block_size: int = 256
     # all lossy compressors
     error_feedback: bool = True
@@ -262,6 +267,10 @@ class CommSection:
     chunk_mb: float = 16.0          # fp32 MB of gradient per chunk; chunks are pipelined
     pipeline_depth: int = 2         # chunks in flight
     hierarchical: bool = False      # dense inside a node, compressed across nodes on the rails
+    # --resume from a checkpoint whose compression settings differ from these (or that holds no
+    # compression state): "refuse", or "restart" (drop the saved state, warn, and begin again with
+    # warmup_steps dense steps)
+    on_mismatch: str = "refuse"
 
     def check(self, where):
         from ds_ext.comm.compressors import COMPRESSORS
@@ -270,6 +279,21 @@ class CommSection:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}.compressor {self.compressor!r} is unknown{hint}; choose one of "
                               f"{list(COMPRESSORS)}")
+        if self.target not in ("gradient", "momentum"):
+            raise ConfigError(f"{where}.target {self.target!r} is not one of ['gradient', 'momentum']")
+        if self.on_mismatch not in ("refuse", "restart"):
+            raise ConfigError(f"{where}.on_mismatch {self.on_mismatch!r} is not one of ['refuse', 'restart']")
+        if self.target == "momentum":
+            if self.compressor == "none":
+                raise ConfigError(f"{where}.target 'momentum' needs a compressor (sign, int4, int8, topk, powersgd, or "
+                                  f"fp32 for the dense reference); compressor 'none' is DeepSpeed's own reduction")
+            if self.warmup_steps < 1:
+                raise ConfigError(f"{where}.target 'momentum' freezes Adam's second moment after warmup_steps dense "
+                                  f"steps, and warmup_steps is {self.warmup_steps}: a variance from no gradients is "
+                                  f"zero; set warmup_steps >= 1 (1-bit Adam warms up for 15-25 % of training)")
+            if self.momentum > 0:
+                raise ConfigError(f"{where}.momentum (DGC's correction) and target 'momentum' both keep a momentum; "
+                                  f"set momentum 0 (Adam's own momentum is the one sent)")
         if not 0 < self.ratio <= 1:
             raise ConfigError(f"{where}.ratio must be in (0, 1] (the fraction of entries top-k keeps), "
                               f"got {self.ratio}")

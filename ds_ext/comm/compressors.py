@@ -397,7 +397,7 @@ class PowerSGD:
             self.state[(key, i)] = st
 
 
-COMPRESSORS = ("none", "fp32", "bf16", "fp16", "int8", "topk", "powersgd")
+COMPRESSORS = ("none", "fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "powersgd")
 
 
 def make_compressor(section, *, seed=0):
