@@ -310,6 +310,9 @@ class CommSection:
             raise ConfigError(f"{where}.rank must be >= 1 (the PowerSGD approximation rank), got {self.rank}")
         if self.block_size < 1:
             raise ConfigError(f"{where}.block_size must be >= 1, got {self.block_size}")
+        if self.compressor in ("sign", "int4") and self.block_size % 8:
+            raise ConfigError(f"{where}.block_size {self.block_size} must be a multiple of 8 for {self.compressor} "
+                              f"(its codes are packed into bytes); the default is 256")
         for name in ("warmup_steps", "min_numel"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
@@ -603,6 +606,27 @@ class _RecordingDict(dict):
         return super().__contains__(key)
 
 
+def check_momentum_target(ds, comm, where="seekspeed.comm"):
+    """``target: "momentum"`` sends Adam's momentum: the config's optimizer must be
+    Adam or AdamW (install.check_momentum_optimizer checks the instance too)."""
+    if comm.target != "momentum":
+        return
+    opt = ds.get("optimizer") or {}
+    kind = str(opt.get("type", "")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ConfigError(f"{where}.target 'momentum' freezes Adam's second moment and sends its momentum, and the "
+                          f"optimizer is {opt.get('type') or 'none (a client optimizer)'!s}: set optimizer.type to "
+                          f"AdamW (or Adam), or set {where}.target 'gradient'")
+    params = opt.get("params") or {}
+    if kind == "adam" and params.get("weight_decay") and params.get("adam_w_mode") is False:
+        raise ConfigError(f"{where}.target 'momentum' with Adam's L2 weight decay (adam_w_mode false: the decay goes "
+                          f"into the gradient, so into the momentum each rank sends): use AdamW or weight_decay 0")
+    if (ds.get("zero_optimization") or {}).get("offload_optimizer"):
+        raise ConfigError(f"{where}.target 'momentum' replaces the step of the Adam DeepSpeed runs on the device; "
+                          f"zero_optimization.offload_optimizer runs DeepSpeedCPUAdam's instead: remove the offload or "
+                          f"set {where}.target 'gradient'")
+
+
 def resolve_layout(ds, *, world_size, section, path="config"):
     """The parallel layout and the warnings about keys DeepSpeed will ignore.
 
@@ -652,6 +676,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
                           f"micro-batch {layout.micro_batch} x accumulation {layout.grad_accum} x {dp} replicas")
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
     check_precision(ds, schedule=layout.schedule, zero=zero)
+    check_momentum_target(ds, section.comm)
     ep = section.moe.expert_parallel_size
     if dp % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "

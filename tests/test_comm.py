@@ -243,7 +243,7 @@ def _error_feedback_rank(name, error_feedback):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["topk", "powersgd", "int8"])
+@pytest.mark.parametrize("name", ["topk", "powersgd", "int8", "int4", "sign"])
 def test_error_feedback_delivers_what_compression_held_back(name):
     with_ef = run_ranks(_error_feedback_rank, world_size=2, args=(name, True))[0]
     without = run_ranks(_error_feedback_rank, world_size=2, args=(name, False))[0]
@@ -343,12 +343,17 @@ def _quantisation_bound(name, terms, world):
     gamma_(2w-1) * sum|terms| in that unit. int8: each rank's code is off by at most half
     its block's step, max|x| / 127 over a block of 256 entries of its region (bounded by
     the largest |x| the rank sends at all), plus fp32 roundings of the divide, the
-    dequantising multiply and the sum."""
+    dequantising multiply and the sum. int4 (two phases): each rank's code is off by at
+    most half its block's step, max|x| / 14, and the server's re-encoding of the mean by
+    half of its step, max|mean| / 14 <= (sum of the ranks' max|x|) / (14 world)."""
     stack = np.stack([np.asarray(t, dtype=np.float64) for t in terms])
     abs_sum = np.abs(stack).sum(axis=0)
     if name == "int8":
         per_rank_step = [max(float(np.abs(np.asarray(x)).max()) for x in rank) / 127.0 for rank in _by_rank(world)]
         return (sum(per_rank_step) / 2 + (gamma(world) + 2 * gamma(1)) * abs_sum) / world
+    if name == "int4":
+        per_rank = [max(float(np.abs(np.asarray(x)).max()) for x in rank) for rank in _by_rank(world)]
+        return 2 * sum(per_rank) / (14 * world) + (gamma(world) + 3 * gamma(1)) * abs_sum / world
     u = {"bf16": 2.0**-8, "fp16": 2.0**-11}[name]
     k = 2 * world - 1
     return k * u / (1 - k * u) * abs_sum / world
@@ -359,7 +364,7 @@ def _by_rank(world, seed=0):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["int8", "bf16", "fp16"])
+@pytest.mark.parametrize("name", ["int8", "int4", "bf16", "fp16"])
 def test_quantised_all_reduce_error_is_bounded(name):
     results = run_ranks(_reduce_rank, world_size=2, args=({"compressor": name, "min_numel": 1000},))
     for i, (got, terms) in enumerate(zip(results[0][0]["grads"], _dense_terms(2))):
@@ -368,7 +373,7 @@ def test_quantised_all_reduce_error_is_bounded(name):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["topk", "topk-fused", "powersgd", "int8", "bf16"])
+@pytest.mark.parametrize("name", ["topk", "topk-fused", "powersgd", "int8", "int4", "sign", "bf16"])
 def test_non_finite_gradient_reaches_every_rank(name):
     """An inf on one rank must not be hidden by compression: every rank's output is
     non-finite (as a dense all-reduce would make it), and the state is left alone."""

@@ -14,10 +14,21 @@ where DeepSpeed reduces data-parallel gradients at the accumulation boundary:
   its two communication calls (``allreduce_bucket``, ``gradient_reduction_w_predivide``)
   replaced by local versions that only divide as they would, so it averages,
   partitions and copies out as usual.
+
+``target: "momentum"`` (1-bit Adam's scheme): the reducer returns the averaged Adam
+momentum instead of the gradient once the warm-up is over, and ``FrozenVarianceAdam``
+replaces the step of the Adam/AdamW inside whatever DeepSpeed wraps it in (itself at
+ZeRO 0 fp32, BF16_Optimizer's, ZeRO 1's on its partition): it takes what arrives as
+the gradient as the momentum and updates with the second moment frozen where the
+warm-up left it. DeepSpeed's clipping and overflow checks run before it, on that
+momentum.
 """
 
 import fnmatch
 import functools
+import math
+
+import torch
 
 import torch.distributed as tdist
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
@@ -132,6 +143,92 @@ class CompressedReduction:
             del opt.allreduce_bucket, opt.gradient_reduction_w_predivide
 
 
+class FrozenVarianceAdam:
+    """The step of an Adam/AdamW once ``target: "momentum"`` sends momentum: for each
+    parameter, exp_avg := its gradient (the averaged momentum M, equal on every rank),
+    exp_avg_sq left as the warm-up's last dense step made it, and AdamW's update with
+    them, decoupled weight decay and the group's lr (so the lr schedule applies):
+    p <- p (1 - lr wd) - lr / (1 - b1^t) x m / (sqrt(v / (1 - b2^T)) + eps), t the
+    momentum's steps (the reducer's), T the variance's (the optimizer's own step count,
+    which stops at the freeze as the variance does, and is saved with it). Before and
+    during the warm-up, and on steps the reducer sent dense, the optimizer's own step
+    runs. A step whose momentum is non-finite on any rank changes nothing (counted in
+    ``skipped_steps``); DeepSpeed's lr schedule still advances."""
+
+    def __init__(self, optimizer, reducer):
+        self.optimizer, self.reducer = optimizer, reducer
+        self.dense_step = optimizer.step
+        self.skipped_steps = 0
+
+    @staticmethod
+    def variance_steps(state):
+        step = state.get("step", 0)
+        return int(step.item() if hasattr(step, "item") else step)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        reducer = self.reducer
+        if not reducer.momentum_step:
+            return self.dense_step() if closure is None else self.dense_step(closure)
+        if reducer.skipped:
+            self.skipped_steps += 1
+            return None
+        opt = self.optimizer
+        for group in opt.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [opt.state[p] for p in params]
+            if any("exp_avg_sq" not in st for st in states):
+                raise RuntimeError("comm target momentum: the optimizer has no second moment to freeze (no dense step "
+                                   "ran before the freeze)")
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            corrected = group.get("bias_correction", True)
+            frozen = max(self.variance_steps(st) for st in states)
+            bc1 = 1.0 - beta1 ** reducer.steps if corrected else 1.0
+            bc2 = math.sqrt(1.0 - beta2 ** frozen) if corrected else 1.0
+            for p, st in zip(params, states):
+                m = st["exp_avg"]
+                m.copy_(p.grad)
+                denom = st["exp_avg_sq"].sqrt().div_(bc2).add_(eps)
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                p.addcdiv_(m, denom, value=-lr / bc1)
+        return None
+
+
+def _inner_optimizer(engine):
+    """The Adam/AdamW instance whose step updates the weights (DeepSpeed's wrappers keep
+    it as ``.optimizer``)."""
+    opt = engine.optimizer
+    while hasattr(opt, "optimizer") and hasattr(opt.optimizer, "param_groups"):
+        opt = opt.optimizer
+    return opt
+
+
+def check_momentum_optimizer(opt):
+    """A one-line error unless ``opt`` is an Adam whose weight decay is decoupled (AdamW)
+    or zero: the momentum a rank sends must be all of what the step uses."""
+    from ds_ext.errors import ConfigError
+    from deepspeed.ops.adam import FusedAdam
+    name = type(opt).__name__
+    if isinstance(opt, FusedAdam):
+        decoupled = bool(opt.adam_w_mode)
+    elif isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
+        decoupled = isinstance(opt, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in opt.param_groups)
+    else:
+        raise ConfigError(f"seekspeed.comm.target 'momentum' freezes Adam's second moment and sends its momentum, and "
+                          f"the optimizer is {name}: use optimizer type Adam or AdamW, or target 'gradient'")
+    if not decoupled and any(g["weight_decay"] for g in opt.param_groups):
+        raise ConfigError(f"seekspeed.comm.target 'momentum' with {name}'s L2 weight decay (added to the gradient, so "
+                          f"into the momentum each rank sends): use AdamW (decoupled weight decay) or weight_decay 0")
+    betas = {tuple(g["betas"]) for g in opt.param_groups}
+    if len(betas) > 1:
+        raise ConfigError(f"seekspeed.comm.target 'momentum' keeps one momentum per element with one beta1, and the "
+                          f"parameter groups have betas {sorted(betas)}: give every group the same betas")
+    return next(iter(betas))[0]
+
+
 def install(engine, section, *, node_of=None, log=print):
     """Attach a GradientReducer for ``section`` (a ``seekspeed.comm`` section) to
     ``engine``; collective over the world when ``section.hierarchical``. ``node_of``:
@@ -162,6 +259,12 @@ def install(engine, section, *, node_of=None, log=print):
     reducer = GradientReducer(section, node_groups=node_groups, spans_nodes=spans, node_of=node_of,
                               seed=0)
     engine.grad_reducer = reducer
+    if section.target == "momentum":
+        inner = _inner_optimizer(engine)
+        reducer.beta1 = check_momentum_optimizer(inner)
+        frozen = FrozenVarianceAdam(inner, reducer)
+        inner.step = frozen.step
+        engine.frozen_variance = frozen
     patterns = section.dense_params
     if patterns is None:
         patterns = getattr(reducer.compressor, "default_dense_params", ())
@@ -174,6 +277,8 @@ def install(engine, section, *, node_of=None, log=print):
         log(f"comm: data-parallel gradients through {section.compressor} ({shape}, chunks of {section.chunk_mb:g} MB, "
             f"{section.pipeline_depth} in flight, dense under {section.min_numel} elements"
             + (f", dense for the first {section.warmup_steps} steps" if section.warmup_steps else "")
+            + (f", sending Adam's momentum (variance frozen after the warm-up, worker and server error feedback "
+               f"where the compressor keeps residuals)" if section.target == "momentum" else "")
             + _dense_note(patterns, named)
             + _kernel_note(reducer.compressor) + ")")
     return reducer

@@ -15,7 +15,16 @@ data-parallel all-reduce of a list of gradients (averaging them in place):
   rail carries its share) exchanges it compressed with the same local rank of the
   other nodes, and broadcasts the result inside the node;
 - for the first ``warmup_steps`` optimizer steps everything goes dense through the
-  same path.
+  same path;
+- ``target: "momentum"``: what is averaged is each rank's Adam momentum instead of its
+  gradient. The reducer keeps the momentum M of every element it reduces (in the
+  units of what it returns, which DeepSpeed may still divide). In the warm-up it follows
+  the dense average G: M = b1 M + (1 - b1) G. After it each rank forms its own
+  m_i = b1 M + (1 - b1) n s g_i (n ranks, s = 1 / divide_by: the mean of the m_i is the
+  momentum a dense average would give), the m_i are averaged through the compressor
+  (error feedback inside it) and the mean becomes M on every rank, and is what the
+  gradients are overwritten with. install.FrozenVarianceAdam then steps with it and the
+  variance frozen at the warm-up's end.
 
 Every rank issues the same collectives in the same order per group (ranks that skip
 a chunk's inter-node phase issue placeholders), so the FIFO driver cannot deadlock.
@@ -61,6 +70,8 @@ def _wire_bytes(req, world):
         return 2 * (world - 1) / world * size
     if req.kind == "all_gather":
         return (world - 1) * size
+    if req.kind == "all_to_all":
+        return (world - 1) / world * size
     return (world - 1) / world * size     # broadcast: each rank forwards about its share
 
 
@@ -80,10 +91,18 @@ class GradientReducer:
         self._buffers = {}
         self.stats = ReduceStats()
         self.last = None
+        # target "momentum": Adam's beta1 (set by install), M per (key, part), and this
+        # step's facts for the optimizer: whether it sent momentum, whether it was non-finite
+        self.beta1 = None
+        self.momentum = {}
+        self.momentum_step = False
+        self.skipped = False
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
         self.stats = ReduceStats()
+        self.momentum_step = self.section.target == "momentum" and not self.warming_up
+        self.skipped = False
 
     def end_step(self):
         self.steps += 1
@@ -111,14 +130,22 @@ class GradientReducer:
         small = [g for g in grads if id(g) not in chosen]
         tasks, buffers = [], []
         scale = 1.0 / divide_by
+        momentum = self.section.target == "momentum"
+        if momentum and self.momentum_step:     # the ranks' momenta, averaged below
+            world = tdist.get_world_size(group)
+            local, scale = (1.0 - self.beta1) * world * scale, 1.0 / world
         if small:
             buf = self._flat((key, "dense"), small)
-            buffers.append((small, buf))
+            if momentum and self.momentum_step:
+                self._local_momentum((key, "dense"), buf, local)
+            buffers.append((small, buf, (key, "dense")))
             tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group, scale))
             self.stats.dense_numel += buf.numel()
         if big:
             buf = self._flat((key, "compressed"), big)
-            buffers.append((big, buf))
+            if momentum and self.momentum_step:
+                self._local_momentum((key, "compressed"), buf, local)
+            buffers.append((big, buf, (key, "compressed")))
             if comp is self.dense:
                 self.stats.dense_numel += buf.numel()
             else:
@@ -127,12 +154,40 @@ class GradientReducer:
             for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
                 tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
         self._drive(tasks)
-        for tensors, buf in buffers:
+        if momentum:
+            self._update_momentum(buffers)
+        for tensors, buf, _ in buffers:
             offset = 0
             for g in tensors:
                 g.copy_(buf[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         self.stats.total_s += time.perf_counter() - start
+
+    def _local_momentum(self, part, buf, local):
+        """buf (this rank's gradient) becomes its momentum b1 M + local x gradient."""
+        m = self.momentum.get(part)
+        if m is None or m.numel() != buf.numel():
+            raise RuntimeError(f"comm target momentum: no warm-up momentum for {part!r} (the gradients reduced "
+                               f"changed after the warm-up)")
+        buf.mul_(local).add_(m, alpha=self.beta1)
+
+    def _update_momentum(self, buffers):
+        """After the exchange: the warm-up's M follows the dense average; after it the
+        mean momentum is M; a non-finite step leaves M as it was (the optimizer skips it:
+        DeepSpeed in the warm-up where it checks for overflow, FrozenVarianceAdam after)."""
+        if not all(bool(torch.isfinite(buf.sum())) for _, buf, _ in buffers):
+            self.skipped = True
+            return
+        if self.momentum_step:
+            for _, buf, part in buffers:
+                self.momentum[part].copy_(buf)
+            return
+        for _, buf, part in buffers:
+            m = self.momentum.get(part)
+            if m is None or m.numel() != buf.numel():
+                self.momentum[part] = buf.mul(1.0 - self.beta1)     # Adam's zero start
+            else:
+                m.mul_(self.beta1).add_(buf, alpha=1.0 - self.beta1)
 
     def _flat(self, key, tensors):
         """The tensors concatenated in fp32, in a buffer kept from the last step (a
@@ -211,6 +266,8 @@ class GradientReducer:
             return tdist.all_reduce(req.tensor, group=group, async_op=True)
         if req.kind == "all_gather":
             return tdist.all_gather(req.out, req.tensor, group=group, async_op=True)
+        if req.kind == "all_to_all":
+            return tdist.all_to_all_single(req.out[0], req.tensor, group=group, async_op=True)
         if req.kind == "broadcast":
             return tdist.broadcast(req.tensor, src=req.src, group=group, async_op=True)
         raise ValueError(f"unknown collective {req.kind!r}")
