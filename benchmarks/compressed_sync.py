@@ -39,6 +39,12 @@ METHODS = {
     "bf16": {"compressor": "bf16"},
     "int8": {"compressor": "int8"},
     "int8-hier": {"compressor": "int8", "hierarchical": True},
+    "int4": {"compressor": "int4"},
+    "sign": {"compressor": "sign"},
+    "sign-hier": {"compressor": "sign", "hierarchical": True},
+    # Adam's momentum through sign (1-bit Adam's scheme); the benchmark's untimed steps hold its warm-up
+    "momentum-sign": {"compressor": "sign", "target": "momentum"},
+    "momentum-sign-hier": {"compressor": "sign", "target": "momentum", "hierarchical": True},
     "powersgd-r4": {"compressor": "powersgd", "rank": 4},
     "powersgd-r4-hier": {"compressor": "powersgd", "rank": 4, "hierarchical": True},
     "topk-1%-exact": {"compressor": "topk", "ratio": 0.01, "selection": "exact"},
@@ -108,7 +114,8 @@ def _deepspeed(method, comm, batches, args, node_of):
     model = PipelineModule(layers=_layers(), num_stages=1, loss_fn=_mse)
     ds = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
-    section = CommSection(**{**comm, "warmup_steps": 0, "chunk_mb": args.chunk_mb}) if comm else None
+    warmup = 1 if comm and comm.get("target") == "momentum" else 0     # one dense step, then the variance freezes
+    section = CommSection(**{**comm, "warmup_steps": warmup, "chunk_mb": args.chunk_mb}) if comm else None
     engine = initialize(model=model, config=ds, model_parameters=list(model.parameters()), schedule="1f1b",
                         comm=section, node_of=node_of, log=lambda _: None)
     reduce_s, cpu_s = [], []

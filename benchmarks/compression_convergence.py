@@ -5,9 +5,16 @@ The final loss (mean of the last 20 steps) of each is compared with the dense ru
 
     python benchmarks/compression_convergence.py --json benchmarks/results/compression_convergence.json
 
-Runs: none (DeepSpeed's dense reduction), topk 1% with error feedback, topk 1% without
-error feedback, powersgd rank 4, int8 (both with error feedback). About 10 minutes on
-2 cores with the defaults.
+Runs (--runs): none (DeepSpeed's dense reduction), the gradient compressors (top-k 1 % with
+and without error feedback, PowerSGD, int8, int4, sign) and target momentum (1-bit Adam's
+scheme: the variance frozen after --momentum-warmup dense steps, the momentum sent through
+sign, int4 or top-k). --seeds runs each once per seed; rows carry run, seed, final_loss,
+dense_final_loss (the same seed's dense run), bytes_per_step (sent per rank per step after
+the warm-up; DeepSpeed's dense: a ring all-reduce's), dense_bytes_per_step and
+run_bytes_per_step (warm-up included). About 1.5 minutes a run on 2 cores.
+
+    python benchmarks/compression_convergence.py --seeds 0 1 2 --runs none int4-ef momentum-sign ... \
+        --json benchmarks/results/compression_adamw.json
 """
 
 import argparse
@@ -28,6 +35,12 @@ RUNS = {
     "powersgd-r4-no-ef": {"compressor": "powersgd", "rank": 4, "error_feedback": False},
     "powersgd-r8-ef": {"compressor": "powersgd", "rank": 8, "error_feedback": True},
     "int8-ef": {"compressor": "int8", "error_feedback": True},
+    "int4-ef": {"compressor": "int4", "error_feedback": True},
+    "sign-ef": {"compressor": "sign", "error_feedback": True},
+    # 1-bit Adam's scheme: Adam's variance frozen after the warm-up, the momentum sent compressed
+    "momentum-sign": {"compressor": "sign", "target": "momentum"},
+    "momentum-int4": {"compressor": "int4", "target": "momentum"},
+    "momentum-topk-1%": {"compressor": "topk", "ratio": 0.01, "target": "momentum"},
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
@@ -59,7 +72,8 @@ def run_one(name, comm, args, tmp):
     if args.seed is not None:
         s["train"]["seed"] = args.seed
     s["train"]["log_interval"] = max(1, args.steps // 5)
-    s["comm"] = {**comm, "warmup_steps": args.warmup, "min_numel": args.min_numel}
+    warmup = args.momentum_warmup if comm.get("target") == "momentum" else args.warmup
+    s["comm"] = {**comm, "warmup_steps": warmup, "min_numel": args.min_numel}
     path = os.path.join(tmp, f"{name}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -76,8 +90,9 @@ def run_one(name, comm, args, tmp):
         out = json.load(f)
     losses = out["losses"]
     tail = min(20, len(losses))
-    row = {"name": name, "comm": comm, "final_loss": statistics.mean(losses[-tail:]), "first_loss": losses[0],
-           "losses": losses, "tokens_per_s": out.get("steady_tokens_per_s")}
+    row = {"name": name, "comm": comm, "seed": s["train"]["seed"], "final_loss": statistics.mean(losses[-tail:]),
+           "first_loss": losses[0], "losses": losses, "tokens_per_s": out.get("steady_tokens_per_s"),
+           "warmup_steps": s["comm"]["warmup_steps"] if comm["compressor"] != "none" else 0}
     if "comm" in out:
         ranks = out["comm"]["per_rank_mean_per_step"]
         row["wire_mb_per_step"] = statistics.mean(r["wire_bytes"] for r in ranks) / 1e6
@@ -94,40 +109,71 @@ def main(argv=None):
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=10, help="dense optimizer steps before compressing")
+    p.add_argument("--momentum-warmup", type=int, default=10,
+                   help="target momentum: dense AdamW steps before the variance is frozen")
     p.add_argument("--min-numel", type=int, default=4096, help="tensors smaller than this go dense")
     p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
                    help="config: the config's AdamW; sgd: SGD with momentum 0.9 (DGC's setting)")
     p.add_argument("--lr", type=float, help="learning rate (default: the config's; required with sgd)")
     p.add_argument("--seed", type=int, help="training seed: weights and data order (default: the config's)")
+    p.add_argument("--seeds", type=int, nargs="+", help="run every --runs once per seed (overrides --seed)")
     p.add_argument("--runs", nargs="+", default=["none", "topk-1%-ef", "topk-1%-no-ef", "powersgd-r4-ef", "int8-ef"],
                    choices=list(RUNS))
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.optimizer == "sgd" and args.lr is None:
         p.error("--optimizer sgd needs --lr")
+    seeds = args.seeds or [args.seed]
     rows = []
     with tempfile.TemporaryDirectory(prefix="seekspeed-conv-") as tmp:
-        for i, name in enumerate(args.runs):
-            print(f"[{i + 1}/{len(args.runs)}] {name}: {args.steps} steps on {args.ranks} ranks ...", file=sys.stderr,
-                  flush=True)
-            rows.append(run_one(name, RUNS[name], args, tmp))
-    dense = next((r for r in rows if r["name"] == "none"), None)
+        todo = [(seed, name) for seed in seeds for name in args.runs]
+        for i, (seed, name) in enumerate(todo):
+            args.seed = seed
+            print(f"[{i + 1}/{len(todo)}] {name} seed {seed}: {args.steps} steps on {args.ranks} ranks ...",
+                  file=sys.stderr, flush=True)
+            rows.append(run_one(f"{name}" if seed is None else f"{name}-s{seed}", RUNS[name], args, tmp) | {"run": name})
+    dense_mb = _dense_mb(args)
     opt = "the config's AdamW" if args.optimizer == "config" else f"SGD lr {args.lr} momentum 0.9"
     print(f"\ntiny recipe, {args.ranks} data-parallel ranks, {args.steps} steps, micro-batch {args.micro_batch} x "
-          f"{args.grad_accum} accumulation x {args.seq_len} tokens, {opt}; final loss = mean of the last 20 steps")
-    print(f"{'run':<16} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'compress ms':>11}")
+          f"{args.grad_accum} accumulation x {args.seq_len} tokens, {opt}; final loss = mean of the last 20 steps; "
+          f"bytes: sent per rank per step after the warm-up (dense fp32 ring: {dense_mb:.3f} MB)")
+    print(f"{'run':<18} {'seed':>4} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'x fewer':>7} "
+          f"{'run avg MB':>10} {'compress ms':>11}")
     for r in rows:
+        dense = next((d for d in rows if d["run"] == "none" and d["seed"] == r["seed"]), None)
+        r["dense_final_loss"] = dense["final_loss"] if dense else None
         rel = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")
         r["vs_dense_pct"] = rel
-        mb = f"{r['wire_mb_per_step']:.3f}" if "wire_mb_per_step" in r else "(DeepSpeed)"
+        r["dense_bytes_per_step"] = dense_mb * 1e6
+        sent = r.get("wire_mb_per_step", dense_mb)          # DeepSpeed's own: the ring's bytes
+        r["bytes_per_step"] = sent * 1e6
+        w = r["warmup_steps"]
+        r["run_bytes_per_step"] = (w * dense_mb + (args.steps - w) * sent) / args.steps * 1e6
         ms = f"{r['compress_ms_per_step']:.1f}" if "compress_ms_per_step" in r else "-"
-        print(f"{r['name']:<16} {r['final_loss']:10.4f} {rel:+8.2f}% {mb:>12} {ms:>11}")
+        print(f"{r['run']:<18} {str(r['seed']):>4} {r['final_loss']:10.4f} {rel:+8.2f}% {sent:12.3f} "
+              f"{dense_mb / sent:7.1f} {r['run_bytes_per_step'] / 1e6:10.3f} {ms:>11}")
+    if len(seeds) > 1:
+        print(f"\n{'run':<18} {'mean vs dense':>13} {'min':>8} {'max':>8}  over seeds {seeds}")
+        for name in args.runs:
+            rel = [r["vs_dense_pct"] for r in rows if r["run"] == name]
+            print(f"{name:<18} {statistics.mean(rel):+12.2f}% {min(rel):+7.2f}% {max(rel):+7.2f}%")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
     return rows
 
+
+def _dense_mb(args):
+    """What DeepSpeed's dense fp32 reduction sends per rank per step: a ring all-reduce
+    of every parameter's gradient, 2 (W-1)/W x 4 bytes each (one stage: all of them)."""
+    from recipes import deepseek_v3
+    from recipes.layers.pipe import count_parameters
+    with open(os.path.join(ROOT, args.config)) as f:
+        recipe = json.load(f)["seekspeed"]["recipe"]
+    config = deepseek_v3.make_config(recipe.get("preset", "tiny"), recipe.get("overrides"))
+    numel = sum(count_parameters(spec) for spec in deepseek_v3.layer_specs(config, seed=0))
+    return 2 * (args.ranks - 1) / args.ranks * 4 * numel / 1e6
 
 if __name__ == "__main__":
     main()
