@@ -395,7 +395,8 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
             buffers=bucket + hw.reserve_gb * GB, checkpointing=interval > 0, in_flight=sim.peak_activations[rank]))
 
     # Gradient reduction per stage: dense over the data-parallel group, routed experts
-    # over their expert-data-parallel group; dense and with the configured compressor.
+    # over their expert-data-parallel group (always flat: install.py reduces them with
+    # hierarchical=False); dense and with the configured compressor.
     comm = s.comm
 
     def payload(matrices):
@@ -409,7 +410,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                       payload=payload(stage_matrices[rank][False]))
         if st.expert_params:
             ex = _dp_group(numel=st.expert_params, grad_bytes=reduce_bytes, members=[node(rank, d) for d in range(0, dp, ep)],
-                           hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
+                           hw=hw, compressor=comm.compressor, hierarchical=False,
                            payload=payload(stage_matrices[rank][True]))
             g = {k: g[k] + ex[k] for k in g}
         reductions.append(g)
