@@ -74,7 +74,8 @@ def report(plan):
               f"the compressed reduction keeps between steps, see the notes)", "",
               f"traffic per step (all links of one group; compressor: {plan.compressor}"
               + (f", target {plan.comm_target}" if plan.comm_target != "gradient" else "")
-              + (f"; compressed columns: after the {plan.warmup_steps} dense warm-up steps" if plan.warmup_steps else "")
+              + (f"; compressed columns: after the {plan.warmup_steps} dense warm-up steps" if plan.warmup_steps
+                 else "")
               + ")",
               f"  {'group':<18} {'ranks':>5} {'intra-node':>11} {'inter-node':>11} {'compressed intra':>17} "
               f"{'inter':>9} {'wait':>9}"]

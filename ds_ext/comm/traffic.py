@@ -155,10 +155,9 @@ def per_node_table(*, numel, matrices=(), nodes=(2, 4, 8, 16, 32, 64, 128), per_
     ranks; ``methods``: (label, compressor, hierarchical) rows, default every compressor
     flat and hierarchical."""
     if methods is None:
-        methods = [(f"{label}{' hier.' if hier else ''}", name, hier)
-                   for label, name in (("dense fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"),
-                                       ("sign", "sign"), (f"topk {ratio:.0%}", "topk"), (f"powersgd r{rank}", "powersgd"))
-                   for hier in (False, True)]
+        names = (("dense fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("sign", "sign"),
+                 (f"topk {ratio:.0%}", "topk"), (f"powersgd r{rank}", "powersgd"))
+        methods = [(f"{label}{' hier.' if hier else ''}", name, hier) for label, name in names for hier in (False, True)]
     rows = []
     for label, name, hier in methods:
         kind = payload_bytes(name, numel=numel, matrices=matrices, ratio=ratio, rank=rank, block_size=block_size)[1]

@@ -497,7 +497,8 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         heavy = max(stages, key=lambda st: st.comm_state)
         if heavy.comm_state:
             notes.append(f"comm state (what the compressed reduction keeps per rank between steps, in the totals): "
-                         f"rank {heavy.rank} " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in heavy.comm_state_parts.items()))
+                         f"rank {heavy.rank} "
+                         + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in heavy.comm_state_parts.items()))
     busy = sim.busy
     if max(busy) > 1.15 * min(busy):
         notes.append("stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank")
@@ -633,6 +634,7 @@ def check_fits(plan):
                 f"{plan.hardware.name} (weights {st.weights / GB:.1f}, gradients {st.gradients / GB:.1f}, optimizer "
                 f"{st.optimizer / GB:.1f}, activations {act / GB:.1f} at the schedule's peak, "
                 f"buffers {st.buffers / GB:.1f}"
-                + (f", comm state {st.comm_state / GB:.1f}" if st.comm_state else "") + f"): {hint}add pipeline stages, "
+                + (f", comm state {st.comm_state / GB:.1f}" if st.comm_state else "")
+                + f"): {hint}add pipeline stages, "
                 f"{'use ZeRO stage 1, ' if plan.zero_stage == 0 else 'add data-parallel ranks (ZeRO shards the optimizer over them), '}"
                 f"or lower train_micro_batch_size_per_gpu")
