@@ -32,8 +32,8 @@ Arrangements, N nodes of m ranks of the group (W = N m):
 
 So all-gather compressors (top-k, int8) grow with the number of ranks they gather from:
 flat with W, hierarchical only with N. PowerSGD (an all-reduce of its factors), sign and
-int4 stay flat in N; flat sign and int4 send about m + 1 times their hierarchical bytes
-out of a node (the all-to-all).
+int4 stay flat in N; flat, sign and int4 send about (m+1)/2 times their hierarchical bytes
+out of a node (the all-to-all: 4.5-5 times with 8 ranks per node).
 
 ``target: "momentum"`` (Adam/AdamW: after ``warmup_steps`` dense steps the second moment
 is frozen and each rank sends its compressed local momentum instead of the gradient)
