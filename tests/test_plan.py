@@ -316,6 +316,7 @@ def test_planner_charges_two_phase_compressors_as_traffic_counts(tmp_path, compr
     target momentum adds exactly the full local momentum (ZeRO 1 shards the optimizer,
     not that)."""
     from ds_ext.comm.traffic import inter_node_bytes, state_bytes
+    from recipes import deepseek_v3
     plans = {target: _comm_plan(tmp_path, compressor=compressor, hierarchical=hierarchical, target=target,
                                 warmup_steps=10) for target in ("gradient", "momentum")}
     dense = make_plan(_config(tmp_path, "tiny_cpu.json", **{"seekspeed.topology.placement": "data-pipe"}),
@@ -334,6 +335,8 @@ def test_planner_charges_two_phase_compressors_as_traffic_counts(tmp_path, compr
         assert mom.optimizer == st.optimizer == pytest.approx(8 * st.params / 4)     # fp32 Adam, ZeRO 1 over 4
         assert mom.comm_state_parts["local momentum"] == 4 * st.params
         assert mom.total == pytest.approx(st.total + 4 * st.params)
+    pipe = next(t for t in plan.traffic if t.group == "pipeline")      # 1f1b: each micro-batch there and back
+    assert pipe.intra_bytes + pipe.inter_bytes == 2 * 4 * (4 * 128) * deepseek_v3.make_config("tiny").hidden_size * 4
     mom_dp = next(t for t in plans["momentum"].traffic if t.group == "data-parallel")
     assert mom_dp.inter_bytes_compressed == dp.inter_bytes_compressed       # same bytes per step as the gradient
     assert any("first 10 optimizer steps reduce dense" in n for n in plan.notes)

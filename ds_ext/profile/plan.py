@@ -439,15 +439,15 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         if st.expert_params:
             groups_.append((st.expert_params, [node(rank, d) for d in range(0, dp, ep)], False,
                             stage_matrices[rank][True]))
-        g, parts = None, {}
+        g, kept_state = None, {}
         for numel, members, hier, matrices in groups_:
             one = _dp_group(numel=numel, grad_bytes=reduce_bytes, members=members, hw=hw, compressor=comm.compressor,
                             hierarchical=hier, payload=payload(matrices)[0])
             g = one if g is None else {k: g[k] + one[k] for k in g}
             for name, b in comm_state(numel, members, hierarchical=hier, matrices=matrices).items():
-                parts[name] = parts.get(name, 0.0) + b
+                kept_state[name] = kept_state.get(name, 0.0) + b
         reductions.append(g)
-        st.comm_state_parts, st.comm_state = parts, float(sum(parts.values()))
+        st.comm_state_parts, st.comm_state = kept_state, float(sum(kept_state.values()))
     worst = max(reductions, key=lambda g: g["seconds_compressed"])
     groups = [GroupTraffic(group="data-parallel", members=dp, **worst)]
     chain = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * (2 if parts != pp or s.schedule == "dualpipe" else 1)
