@@ -59,18 +59,24 @@ def report(plan):
              f"{lay['micro_batch']} x {lay['grad_accum']} accumulation, seq {lay['seq_len']}; schedule {plan.schedule}; "
              f"placement {plan.placement}; {plan.total_params / 1e9:.2f} B parameters",
              "",
-             "memory per pipeline rank (GB)        weights  grads  optim  act(none)  act(ckpt)  buffers  total",
+             "memory per pipeline rank (GB)        weights  grads  optim  act(none)  act(ckpt)  buffers  comm state"
+             "  total",
              ]
     for st in plan.stages:
         ranges = ",".join(f"[{a},{b})" for a, b in st.layers)
         mark = "" if st.total <= hw.memory_gb * 1e9 else "  DOES NOT FIT"
         lines.append(f"  rank {st.rank} layers {ranges:<18} {st.params / 1e9:5.2f} B  {_gb(st.weights)}{_gb(st.gradients)}"
                      f"{_gb(st.optimizer)} {_gb(st.activations)}  {_gb(st.activations_checkpointed)} {_gb(st.buffers)}"
-                     f"{_gb(st.total)}{mark}")
+                     f"   {_gb(st.comm_state)}{_gb(st.total)}{mark}")
     ckpt = "on" if plan.stages[0].checkpointing else "off"
     lines += [f"  (total counts activations with checkpointing {ckpt}, as configured; peak (chunk, micro-batch) "
-              f"activations held per rank: {', '.join(str(st.in_flight) for st in plan.stages)})", "",
-              f"traffic per step (all links of one group; compressor: {plan.compressor})",
+              f"activations held per rank: {', '.join(str(st.in_flight) for st in plan.stages)}; comm state: what "
+              f"the compressed reduction keeps between steps, see the notes)", "",
+              f"traffic per step (all links of one group; compressor: {plan.compressor}"
+              + (f", target {plan.comm_target}" if plan.comm_target != "gradient" else "")
+              + (f"; compressed columns: after the {plan.warmup_steps} dense warm-up steps" if plan.warmup_steps
+                 else "")
+              + ")",
               f"  {'group':<18} {'ranks':>5} {'intra-node':>11} {'inter-node':>11} {'compressed intra':>17} "
               f"{'inter':>9} {'wait':>9}"]
     for t in plan.traffic:

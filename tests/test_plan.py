@@ -3,7 +3,9 @@ rank equal those of the PipelineModules DeepSpeed builds (2 gloo ranks, 1f1b and
 dualpipev) and the total equals transformers' DeepseekV3 built on the meta device;
 the activation model against the bytes autograd really keeps for our layers; the
 bubble is the simulator's; the production configs fit an 80 GB GPU and a too-large
-one is refused with its numbers. About 40 s."""
+one is refused with its numbers; the compressed reduction's bytes (ds_ext/comm/traffic.py,
+sign and int4's two phases by hand) and state per rank (target momentum's full local
+momentum under ZeRO 1), and the planner charging the same. About 45 s."""
 
 import json
 import os
@@ -253,3 +255,104 @@ def test_all_to_all_charged_only_where_no_compute_covers_it(tmp_path):
     flight = {k: float(note[k].split(" ms per step in flight")[0].split(": ")[1].replace(",", "")) for k in note}
     assert flight["none"] == flight["layer"] > wait["none"] * 1e3 > wait["layer"] * 1e3 > 0
     assert plans["layer"].makespan < plans["none"].makespan
+
+
+# ---- compressed reduction: bytes (ds_ext/comm/traffic.py) and the planner's charge ----
+
+def test_two_phase_bytes_by_hand():
+    """sign and int4 (all-to-all, then all-gather of the recompressed segments): P per
+    phase = the codes plus a scale per segment (sign) or per block (int4); hierarchical
+    2 (N-1)/N x P per node, flat the node's m ranks' all-to-all m (N-1)/N x P plus the
+    ring all-gather's (W-1)/W x P; like a ring all-reduce of P, it stays flat in N."""
+    from ds_ext.comm.traffic import CHUNK_NUMEL, inter_node_bytes, payload_bytes
+    n = 10_000_000                        # 3 chunks of CHUNK_NUMEL = 4,194,304
+    assert -(-n // CHUNK_NUMEL) == 3
+    assert payload_bytes("sign", numel=n, segments=6) == (1_250_000 + 4 * 6, "two_phase")
+    hier = inter_node_bytes("sign", nodes=2, per_node=8, hierarchical=True, numel=n)
+    assert hier == 2 * (2 - 1) / 2 * (1_250_000 + 4 * 3 * 2)              # segments: 3 chunks x 2 rail ranks
+    flat = inter_node_bytes("sign", nodes=2, per_node=8, hierarchical=False, numel=n)
+    p = 1_250_000 + 4 * 3 * 16
+    assert flat == pytest.approx(8 * (1 / 2) * p + 15 / 16 * p)
+    int4 = 5_000_000 + 4 * 39_063                                          # ceil(n / 256) scales
+    assert inter_node_bytes("int4", nodes=4, per_node=8, hierarchical=True, numel=n) == pytest.approx(2 * 3 / 4 * int4)
+    for name in ("sign", "int4"):
+        two, many = (inter_node_bytes(name, nodes=k, per_node=8, hierarchical=True, numel=n) for k in (2, 128))
+        assert 1.9 * two < many < 2 * two                                   # 2 (N-1)/N: flat in N
+        assert inter_node_bytes(name, nodes=128, per_node=8, hierarchical=False, numel=n) < 10 * many
+    assert inter_node_bytes("int8", nodes=128, per_node=8, hierarchical=True, numel=n) > 50 * many   # all-gather grows
+
+
+def test_comm_state_by_hand():
+    """What the compression keeps per rank: the reducer's flat fp32 buffer, the worker
+    residual (full size), the two-phase server residual (1/W), target momentum's full
+    local momentum; hierarchical: the chunks this rank exchanges (1/m), none on one node."""
+    from ds_ext.comm.traffic import CHUNK_NUMEL, state_bytes
+    n = 16 * CHUNK_NUMEL
+    kw = dict(numel=n, nodes=2, per_node=8)
+    assert state_bytes("none", hierarchical=False, **kw) == {}
+    assert state_bytes("fp32", hierarchical=False, **kw) == {"reduction buffer": 4 * n}
+    assert state_bytes("int8", hierarchical=False, **kw) == {"reduction buffer": 4 * n, "residual": 4 * n}
+    assert state_bytes("sign", hierarchical=False, **kw) == {"reduction buffer": 4 * n, "residual": 4 * n,
+                                                            "server residual": 4 * n // 16}
+    assert state_bytes("int4", hierarchical=False, target="momentum", **kw) == {
+        "reduction buffer": 4 * n, "local momentum": 4 * n, "residual": 4 * n, "server residual": 4 * n // 16}
+    assert state_bytes("sign", hierarchical=True, target="momentum", **kw) == {
+        "reduction buffer": 4 * n, "local momentum": 4 * n, "residual": 4 * n / 8, "server residual": 4 * n // 16}
+    assert state_bytes("sign", hierarchical=True, numel=n, nodes=1, per_node=8) == {"reduction buffer": 4 * n}
+    assert sum(state_bytes("topk", hierarchical=False, **kw).values()) == 16 * n      # residual, its spare, |.|
+    assert state_bytes("sign", hierarchical=False, error_feedback=False, **kw) == {"reduction buffer": 4 * n}
+
+
+def _comm_plan(tmp_path, hardware=None, **comm):
+    path = _config(tmp_path, "tiny_cpu.json", **{"seekspeed.comm": comm, "seekspeed.topology.placement": "data-pipe"})
+    return make_plan(path, nodes=2, ranks_per_node=4, hardware=hardware)      # 2 stages x 4 replicas, 2 per node
+
+
+@pytest.mark.parametrize("compressor", ["sign", "int4"])
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_planner_charges_two_phase_compressors_as_traffic_counts(tmp_path, compressor, hierarchical):
+    """The planner's data-parallel bytes out of each node are traffic.py's for the same
+    group (2 nodes x 2 replicas of the stage), and its memory adds traffic.py's state;
+    target momentum adds exactly the full local momentum (ZeRO 1 shards the optimizer,
+    not that)."""
+    from ds_ext.comm.traffic import inter_node_bytes, state_bytes
+    from recipes import deepseek_v3
+    plans = {target: _comm_plan(tmp_path, compressor=compressor, hierarchical=hierarchical, target=target,
+                                warmup_steps=10) for target in ("gradient", "momentum")}
+    dense = make_plan(_config(tmp_path, "tiny_cpu.json", **{"seekspeed.topology.placement": "data-pipe"}),
+                      nodes=2, ranks_per_node=4)
+    plan = plans["gradient"]
+    big = max(plan.stages, key=lambda st: st.params)
+    dp = next(t for t in plan.traffic if t.group == "data-parallel")
+    counted = inter_node_bytes(compressor, nodes=2, per_node=2, hierarchical=hierarchical, numel=big.params)
+    assert dp.inter_bytes_compressed / 2 == pytest.approx(counted)
+    assert dp.inter_bytes == next(t for t in dense.traffic if t.group == "data-parallel").inter_bytes
+    assert plan.dp_seconds < dense.dp_seconds
+    for st, base, mom in zip(plan.stages, dense.stages, plans["momentum"].stages):
+        state = state_bytes(compressor, numel=st.params, nodes=2, per_node=2, hierarchical=hierarchical)
+        assert st.comm_state_parts == state and st.comm_state == sum(state.values()) > 0
+        assert st.total == pytest.approx(base.total + st.comm_state) and base.comm_state == 0
+        assert mom.optimizer == st.optimizer == pytest.approx(8 * st.params / 4)     # fp32 Adam, ZeRO 1 over 4
+        assert mom.comm_state_parts["local momentum"] == 4 * st.params
+        assert mom.total == pytest.approx(st.total + 4 * st.params)
+    pipe = next(t for t in plan.traffic if t.group == "pipeline")      # 1f1b: each micro-batch there and back
+    assert pipe.intra_bytes + pipe.inter_bytes == 2 * 4 * (4 * 128) * deepseek_v3.make_config("tiny").hidden_size * 4
+    mom_dp = next(t for t in plans["momentum"].traffic if t.group == "data-parallel")
+    assert mom_dp.inter_bytes_compressed == dp.inter_bytes_compressed       # same bytes per step as the gradient
+    assert any("first 10 optimizer steps reduce dense" in n for n in plan.notes)
+    assert any(n.startswith("target momentum") for n in plans["momentum"].notes)
+
+
+def test_comm_state_in_report_json_and_fit_check(tmp_path, capsys):
+    from launch.plan import main
+    path = _config(tmp_path, "tiny_cpu.json", **{"seekspeed.comm": {"compressor": "sign", "target": "momentum",
+                                                                    "warmup_steps": 5}})
+    out = tmp_path / "plan.json"
+    assert main(["--deepspeed", path, "--nodes", "1", "--gpus-per-node", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "comm state" in text and "after the 5 dense warm-up steps" in text
+    stage = json.loads(out.read_text())["stages"][0]
+    assert stage["comm_state"] > 0 and "local momentum" in stage["comm_state_parts"]
+    tight = stage["total"] - stage["comm_state"] / 2
+    assert main(["--deepspeed", path, "--nodes", "1", "--gpus-per-node", "2", "--memory-gb", str(tight / 1e9)]) == 2
+    assert "comm state" in capsys.readouterr().err

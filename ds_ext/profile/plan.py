@@ -19,14 +19,22 @@ Memory per rank (bytes):
   checkpointing only each layer's input is kept, plus one layer's full activations
   while it is recomputed;
 - buffers: ZeRO's reduce bucket (``reduce_bucket_size`` fp32 elements) and a fixed
-  reserve for the CUDA context, NCCL and allocator fragmentation.
+  reserve for the CUDA context, NCCL and allocator fragmentation;
+- comm state (``seekspeed.comm``, any compressor but ``none``): what the compressed
+  reduction keeps between steps, from ``ds_ext.comm.traffic.state_bytes``: the reducer's
+  flat fp32 copy of the gradient, the error-feedback residuals (full size, fp32; the
+  two-phase compressors' server residual 1/W of it), and with ``target: "momentum"`` a
+  full fp32 local momentum per rank (ZeRO 1 partitions only the optimizer's own).
 
 Time per optimizer step: the simulator's makespan for per-chunk costs F (forward),
 B (backward: 2F, plus F recomputed under activation checkpointing), W (the weight
 gradient part) and the point-to-point transfer of one micro-batch, plus the
 data-parallel gradient reduction after the pipeline drains (ring all-reduce, or the
-compressor's collective and payload; hierarchical: dense inside the node, the rails
-across), plus the optimizer step (memory bound). Compute runs at
+compressor's collective and payload, ds_ext/comm/traffic.py: sign and int4 an all-to-all
+from each rank's NIC then a ring all-gather of the segments; hierarchical: dense inside
+the node, the rails across; routed experts' gradients always flat, as install.py reduces
+them), plus the optimizer step (memory bound). With ``warmup_steps`` the compressed figures
+are those after the dense warm-up (a note gives the warm-up's). Compute runs at
 ``peak_tflops x efficiency``; FLOPs are 2 per activated parameter and token forward
 and causal attention's S^2 terms.
 
@@ -80,10 +88,13 @@ class StageMemory:
     buffers: float
     checkpointing: bool
     in_flight: int
+    # what the compressed reduction keeps between steps (seekspeed.comm; ds_ext.comm.traffic.state_bytes)
+    comm_state: float = 0.0
+    comm_state_parts: dict = field(default_factory=dict)
 
     @property
     def total(self):
-        return (self.weights + self.gradients + self.optimizer + self.buffers
+        return (self.weights + self.gradients + self.optimizer + self.buffers + self.comm_state
                 + (self.activations_checkpointed if self.checkpointing else self.activations))
 
     def to_json(self):
@@ -125,14 +136,18 @@ class Plan:
     fits: bool
     total_params: int
     zero_stage: int
+    comm_target: str = "gradient"
+    warmup_steps: int = 0      # dense optimizer steps before the compressed ones (the dense columns)
     notes: list = field(default_factory=list)
+    # per rank: {True: routed-expert, False: other} (rows, cols) of the 2-D+ tensors (not in to_json)
+    matrices: list = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self):
         return self.tokens_per_step / self.step_seconds
 
     def to_json(self):
-        out = {k: v for k, v in asdict(self).items() if k not in ("stages", "traffic", "hardware")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("stages", "traffic", "hardware", "matrices")}
         out.update(hardware=asdict(self.hardware), stages=[s.to_json() for s in self.stages],
                    traffic=[asdict(t) for t in self.traffic], tokens_per_s=self.tokens_per_s,
                    bubble_fraction=self.bubble / self.makespan if self.makespan else 0.0)
@@ -254,7 +269,7 @@ def gradient_bytes(ds):
 def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
     """The plan for ``config_path`` on ``nodes`` x ``ranks_per_node`` GPUs.
     ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
-    from ds_ext.comm.traffic import payload_bytes
+    from ds_ext.comm.traffic import chunk_numel, payload_bytes, segments, state_bytes
     from ds_ext.config import fp32_grad_accumulation, load_config, mixed_precision
     from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES, rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
@@ -395,24 +410,44 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
             buffers=bucket + hw.reserve_gb * GB, checkpointing=interval > 0, in_flight=sim.peak_activations[rank]))
 
     # Gradient reduction per stage: dense over the data-parallel group, routed experts
-    # over their expert-data-parallel group; dense and with the configured compressor.
+    # over their expert-data-parallel group (always flat: install.py reduces them with
+    # hierarchical=False); dense and with the configured compressor. The compression's
+    # state per rank from the same groups.
     comm = s.comm
+    chunk = chunk_numel(comm.chunk_mb)
 
     def payload(matrices):
         big = [m for m in matrices if m[0] * m[1] >= comm.min_numel]
-        return lambda numel: payload_bytes(comm.compressor, numel=numel, ratio=comm.ratio, rank=comm.rank,
-                                           block_size=comm.block_size, matrices=big)
+
+        def one(numel, members):
+            return payload_bytes(comm.compressor, numel=numel, ratio=comm.ratio, rank=comm.rank,
+                                 block_size=comm.block_size, matrices=big,
+                                 segments=segments(numel, members=members, chunk=chunk))
+        return one, big
+
+    def comm_state(numel, members, *, hierarchical, matrices):
+        per_node = {}
+        for m in members:
+            per_node[m] = per_node.get(m, 0) + 1
+        return state_bytes(comm.compressor, numel=numel, nodes=len(per_node), per_node=max(per_node.values()),
+                           hierarchical=hierarchical, target=comm.target, error_feedback=comm.error_feedback,
+                           momentum=comm.momentum, matrices=payload(matrices)[1], rank=comm.rank, chunk=chunk)
     reductions = []
     for rank, st in enumerate(stages):
-        g = _dp_group(numel=st.params - st.expert_params, grad_bytes=reduce_bytes, members=[node(rank, d) for d in range(dp)],
-                      hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
-                      payload=payload(stage_matrices[rank][False]))
+        groups_ = [(st.params - st.expert_params, [node(rank, d) for d in range(dp)], comm.hierarchical,
+                    stage_matrices[rank][False])]
         if st.expert_params:
-            ex = _dp_group(numel=st.expert_params, grad_bytes=reduce_bytes, members=[node(rank, d) for d in range(0, dp, ep)],
-                           hw=hw, compressor=comm.compressor, hierarchical=comm.hierarchical,
-                           payload=payload(stage_matrices[rank][True]))
-            g = {k: g[k] + ex[k] for k in g}
+            groups_.append((st.expert_params, [node(rank, d) for d in range(0, dp, ep)], False,
+                            stage_matrices[rank][True]))
+        g, kept_state = None, {}
+        for numel, members, hier, matrices in groups_:
+            one = _dp_group(numel=numel, grad_bytes=reduce_bytes, members=members, hw=hw, compressor=comm.compressor,
+                            hierarchical=hier, payload=payload(matrices)[0])
+            g = one if g is None else {k: g[k] + one[k] for k in g}
+            for name, b in comm_state(numel, members, hierarchical=hier, matrices=matrices).items():
+                kept_state[name] = kept_state.get(name, 0.0) + b
         reductions.append(g)
+        st.comm_state_parts, st.comm_state = kept_state, float(sum(kept_state.values()))
     worst = max(reductions, key=lambda g: g["seconds_compressed"])
     groups = [GroupTraffic(group="data-parallel", members=dp, **worst)]
     chain = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * (2 if parts != pp or s.schedule == "dualpipe" else 1)
@@ -449,6 +484,21 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
         notes.append(f"expert all-to-all: {flight * 1e3:,.1f} ms per step in flight on the busiest rank, "
                      f"{charged * 1e3:,.1f} ms charged (the wait column): the dispatch hidden behind the shared expert "
                      f"{how}")
+    if comm.compressor != "none":
+        dense_s = max(g["seconds"] for g in reductions)
+        if comm.warmup_steps:
+            notes.append(f"the first {comm.warmup_steps} optimizer steps reduce dense (gradient reduction "
+                         f"{dense_s * 1e3:,.1f} ms a step, the dense columns); the step time and the compressed "
+                         f"columns are the steps after them, what a long run sees")
+        if comm.target == "momentum":
+            notes.append(f"target momentum: after the dense warm-up Adam's second moment is frozen and each rank sends "
+                         f"its local momentum through {comm.compressor}, the same bytes per step as the gradient; "
+                         f"it keeps a full fp32 local momentum of its stage (also under ZeRO 1) and the residuals")
+        heavy = max(stages, key=lambda st: st.comm_state)
+        if heavy.comm_state:
+            notes.append(f"comm state (what the compressed reduction keeps per rank between steps, in the totals): "
+                         f"rank {heavy.rank} "
+                         + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in heavy.comm_state_parts.items()))
     busy = sim.busy
     if max(busy) > 1.15 * min(busy):
         notes.append("stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank")
@@ -459,7 +509,9 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                 makespan=sim.makespan, bubble=sim.bubble, busy=max(busy), dp_seconds=dp_seconds,
                 optimizer_seconds=optimizer_seconds, step_seconds=sim.makespan + dp_seconds + optimizer_seconds,
                 tokens_per_step=lay.tokens_per_step, fits=all(st.total <= hw.memory_gb * GB for st in stages),
-                total_params=unique, zero_stage=zero, notes=notes)
+                total_params=unique, zero_stage=zero, comm_target=comm.target,
+                warmup_steps=comm.warmup_steps if comm.compressor != "none" else 0, notes=notes,
+                matrices=stage_matrices)
 
 
 def _a2a_costs(*, moe_layers, dispatch, shared_forward, recompute_passes):
@@ -515,7 +567,9 @@ def _peak_bytes(timeline, stage_bytes):
 
 def _dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payload):
     """Bytes on intra/inter-node links and seconds of one data-parallel group's
-    gradient reduction (ring collectives); ``members``: each member's node."""
+    gradient reduction (ring collectives; the two-phase compressors' all-to-all direct
+    from each rank, ds_ext/comm/traffic.py); ``members``: each member's node;
+    ``payload(numel, ranks)``: the compressor's (bytes, collective) over ``ranks``."""
     n = len(members)
     per_node = {}
     for m in members:
@@ -535,15 +589,27 @@ def _dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, paylo
         out["intra_bytes_compressed"], out["inter_bytes_compressed"] = out["intra_bytes"], out["inter_bytes"]
         out["seconds_compressed"] = out["seconds"]
         return out
-    p_bytes, kind = payload(numel)
     if not hierarchical or nodes == 1:
+        p_bytes, kind = payload(numel, n)
+        if kind == "two_phase":
+            # phase 1, all-to-all: each rank sends (n-1)/n of P, the part for other nodes' ranks
+            # over its own NIC, the rest inside the node; phase 2: a ring all-gather of the segments
+            off = sum(c * (n - c) / n * p_bytes for c in per_node.values())
+            a2a = max(max((n - c) / n * p_bytes / (hw.inter_gbps * GB), (c - 1) / n * p_bytes / (hw.intra_gbps * GB))
+                      for c in per_node.values())
+            c_edge = (n - 1) / n * p_bytes
+            out["intra_bytes_compressed"] = (n - 1) * p_bytes - off + (n - crossing) * c_edge
+            out["inter_bytes_compressed"] = off + crossing * c_edge
+            out["seconds_compressed"] = a2a + c_edge / bottleneck
+            return out
         c_edge = 2 * (n - 1) / n * p_bytes if kind == "all_reduce" else (n - 1) * p_bytes
         out["intra_bytes_compressed"], out["inter_bytes_compressed"] = (n - crossing) * c_edge, crossing * c_edge
         out["seconds_compressed"] = c_edge / bottleneck
         return out
+    p_bytes, kind = payload(numel, nodes)
     intra_edge = 2 * (m - 1) / m * size
     rail = p_bytes / m
-    inter_edge = 2 * (nodes - 1) / nodes * rail if kind == "all_reduce" else (nodes - 1) * rail
+    inter_edge = 2 * (nodes - 1) / nodes * rail if kind in ("all_reduce", "two_phase") else (nodes - 1) * rail
     out["intra_bytes_compressed"] = nodes * m * intra_edge
     out["inter_bytes_compressed"] = m * nodes * inter_edge
     out["seconds_compressed"] = intra_edge / (hw.intra_gbps * GB) + inter_edge / (hw.inter_gbps * GB)
@@ -558,10 +624,17 @@ def check_fits(plan):
             act = st.activations_checkpointed if st.checkpointing else st.activations
             hint = ("enable activation checkpointing (pipeline.activation_checkpoint_interval: 1), " if not st.checkpointing
                     else "")
+            if st.comm_state:
+                hint += ("keep less compression state (seekspeed.comm: " + ", ".join(
+                    f"{k} {v / GB:.1f}" for k, v in st.comm_state_parts.items())
+                    + ("; target 'gradient' keeps no local momentum" if "local momentum" in st.comm_state_parts
+                       else "") + "), ")
             raise ConfigError(
                 f"pipeline rank {st.rank} needs {st.total / GB:.1f} GB of the {plan.hardware.memory_gb:g} GB on a "
                 f"{plan.hardware.name} (weights {st.weights / GB:.1f}, gradients {st.gradients / GB:.1f}, optimizer "
                 f"{st.optimizer / GB:.1f}, activations {act / GB:.1f} at the schedule's peak, "
-                f"buffers {st.buffers / GB:.1f}): {hint}add pipeline stages, "
+                f"buffers {st.buffers / GB:.1f}"
+                + (f", comm state {st.comm_state / GB:.1f}" if st.comm_state else "")
+                + f"): {hint}add pipeline stages, "
                 f"{'use ZeRO stage 1, ' if plan.zero_stage == 0 else 'add data-parallel ranks (ZeRO shards the optimizer over them), '}"
                 f"or lower train_micro_batch_size_per_gpu")
