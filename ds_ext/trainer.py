@@ -550,11 +550,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     async_ckpt = engine._async_checkpoints()
     last_save = time.monotonic()
     layout_record = _layout_record(cfg, recipe, model_config, engine)
+    from .comm.state import settings as comm_settings
 
     def save(step):
         nonlocal last_save
+        # "comm": what each rank's compression state file (written by the engine) depends on
         meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config),
-                                     "layout": layout_record}
+                                     "layout": layout_record, "comm": comm_settings(s.comm, layout=layout_record)}
         if engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta}) is not False:
             saved.append(step)
         last_save = time.monotonic()
