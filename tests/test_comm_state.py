@@ -5,15 +5,18 @@ saved by both checkpoint engines and restored by --resume.
 Single process: the file's contents load through safe_pickle, torch's weights_only
 loader and seekspeed's own format, naming no global; a top-k compressor restored from
 it (scratch buffers dropped) compresses the next steps bitwise as the one that was
-saved, through the torch ops and the fused kernel; the settings fingerprint; what
+saved, through the torch ops and the fused kernel; the reducer's own dicts (momentum,
+STATE_ATTRS) saved and refilled in place; a key that would name a global refused; the
+settings fingerprint; what
 --resume does per ``seekspeed.comm.on_mismatch`` (load, refuse in one line, restart
 with a one-line warning naming what is lost, drop the state for compressor none).
-Two gloo ranks through the trainer (2 data-parallel replicas, tiny, sampled top-k with
-error feedback after one dense step): an uninterrupted 4-step run (DeepSpeed's engine,
+Two gloo ranks through the trainer (2 data-parallel replicas, tiny), for each section of
+COMM_CASES (sampled top-k with error feedback after one dense step): an uninterrupted 4-step run (DeepSpeed's engine,
 checkpoints at 2 and 4), resumed from step 2 with each engine: the same losses and, at
 step 4, the same compression state, bitwise (same arithmetic in the same order); the
 residuals at step 2 are not zero and the generator has moved, and a resume that drops
-the state (on_mismatch restart) gives another loss. About 45 s on 2 cores."""
+the state (on_mismatch restart) gives another loss. About 55 s on 2 cores shared with
+another job: four 2-rank training runs of 10-20 s each, most of it start-up."""
 
 import io
 import json
@@ -99,27 +102,33 @@ def test_restored_topk_compresses_bitwise_as_the_saved_one(tmp_path, monkeypatch
                    for k in keys)
 
 
-def test_state_holds_reducer_dicts_and_refuses_keys_that_need_a_global():
-    reducer = _Reducer(CommSection(compressor="powersgd", rank=2))
-    reducer.STATE_ATTRS = ("server",)
-    reducer.momentum = {("dense", 0): torch.ones(3)}
-    reducer.server = {("dense", 0): {"server": torch.zeros(2)}}
-    reducer.compressor.state[(("dense", 0), 0)] = {"q": torch.ones(4, 2), "e": torch.ones(4, 4)}
-    sd = comm_state.state_dict(reducer)
+def test_reducer_dicts_are_saved_and_refilled_in_place():
+    """``momentum`` and the dicts named in STATE_ATTRS are saved with the compressor's
+    state; loading refills the reducer's own dicts, so whoever holds them sees it."""
+    def reducer():
+        r = _Reducer(CommSection(compressor="powersgd", rank=2))
+        r.STATE_ATTRS, r.momentum, r.server = ("server",), {}, {}
+        return r
+    saved = reducer()
+    saved.momentum[("dense", 0)] = torch.arange(3.)
+    saved.server[("dense", 0)] = {"server": torch.ones(2)}
+    saved.compressor.state[(("dense", 0), 0)] = {"q": torch.ones(4, 2), "e": torch.ones(4, 4)}
+    sd = comm_state.state_dict(saved)
     assert sd["generator"] is None and set(sd["attrs"]) == {"momentum", "server"}
-    momentum, server = reducer.momentum, reducer.server
-    fresh = _Reducer(CommSection(compressor="powersgd", rank=2))
-    fresh.momentum, fresh.server, fresh.STATE_ATTRS = momentum, server, ("server",)
-    momentum_copy = dict(momentum)
-    momentum.clear()
-    server_copy = dict(server)
-    server.clear()
+    fresh = reducer()
+    momentum, server = fresh.momentum, fresh.server
     comm_state.load_state_dict(fresh, sd)
-    assert fresh.momentum is momentum and torch.equal(fresh.momentum[("dense", 0)], momentum_copy[("dense", 0)])
-    assert fresh.server is server and server_copy.keys() == server.keys()
-    assert torch.equal(fresh.compressor.state[(("dense", 0), 0)]["q"], torch.ones(4, 2))
-    reducer.compressor.state[torch.Size([3])] = {}
-    with pytest.raises(TypeError, match="Size"):
+    assert fresh.momentum is momentum and torch.equal(momentum[("dense", 0)], torch.arange(3.))
+    assert fresh.server is server and torch.equal(server[("dense", 0)]["server"], torch.ones(2))
+    assert torch.equal(fresh.compressor.state[(("dense", 0), 0)]["e"], torch.ones(4, 4))
+    with pytest.raises(ValueError, match="this reducer has no dict 'momentum'"):
+        comm_state.load_state_dict(_Reducer(CommSection(compressor="powersgd", rank=2)), sd)
+
+
+def test_a_key_that_would_name_a_global_is_refused_when_saving():
+    reducer = _Reducer(CommSection(**TOPK))
+    reducer.compressor.state[("dense", torch.Size([3]))] = {"residual": torch.ones(3)}
+    with pytest.raises(TypeError, match=r"key part torch.Size\(\[3\]\) \(Size\) cannot be saved"):
         comm_state.state_dict(reducer)
 
 

@@ -109,18 +109,19 @@ def _check_key(key, where):
                         f"compression state keys are tuples of strings and ints")
 
 
-def _check_value(value, where):
-    if torch.is_tensor(value) or value is None or isinstance(value, (str, int, float)):
-        return
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            _check_value(v, where)
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
+def _plain(value, where):
+    """``value`` with every tensor a plain detached one (a view, not a copy: a Parameter
+    or a tensor subclass would pickle as a global), checked to hold nothing else."""
+    if torch.is_tensor(value):
+        return value.detach().as_subclass(torch.Tensor)
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v, where) for v in value)
+    if type(value) is dict:
+        for k in value:
             _check_key(k, where)
-            _check_value(v, where)
-        return
+        return {k: _plain(v, where) for k, v in value.items()}
     raise TypeError(f"{where}: a {type(value).__name__} cannot be saved in a checkpoint; compression state holds "
                     f"tensors, numbers, strings and containers of them")
 
@@ -131,8 +132,7 @@ def _entries(mapping, where, *, drop_scratch=False):
         _check_key(key, where)
         if drop_scratch and isinstance(value, dict):
             value = {name: v for name, v in value.items() if not _scratch(name)}
-        _check_value(value, f"{where}[{key!r}]")
-        out.append([key, value])
+        out.append([key, _plain(value, f"{where}[{key!r}]")])
     return out
 
 
