@@ -14,9 +14,6 @@ where DeepSpeed reduces data-parallel gradients at the accumulation boundary:
   its two communication calls (``allreduce_bucket``, ``gradient_reduction_w_predivide``)
   replaced by local versions that only divide as they would, so it averages,
   partitions and copies out as usual.
-
-``save_checkpoint`` adds this rank's compression state file to every checkpoint
-(``state.py``; ``--resume`` restores it).
 """
 
 import fnmatch
@@ -135,8 +132,8 @@ class CompressedReduction:
             del opt.allreduce_bucket, opt.gradient_reduction_w_predivide
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        # this rank's compression state goes into the checkpoint first, through the same
-        # checkpoint engine (AsyncCheckpointing, before this mixin, has begun the save)
+        # this rank's compression state (state.py; --resume restores it) goes into the checkpoint
+        # first, through the same checkpoint engine (AsyncCheckpointing, before this mixin, has begun the save)
         if self.grad_reducer is not None:
             from .state import save_file
             save_file(self, save_dir, tag if tag is not None else f"global_step{self.global_steps}")
