@@ -15,8 +15,9 @@ COMM_CASES (sampled top-k with error feedback after one dense step): an uninterr
 checkpoints at 2 and 4), resumed from step 2 with each engine: the same losses and, at
 step 4, the same compression state, bitwise (same arithmetic in the same order); the
 residuals at step 2 are not zero and the generator has moved, and a resume that drops
-the state (on_mismatch restart) gives another loss. About 55 s on 2 cores shared with
-another job: four 2-rank training runs of 10-20 s each, most of it start-up."""
+the state (on_mismatch restart) gives another loss. About 45 s on 2 cores: four 2-rank
+training runs of about 10 s each, most of it start-up (55-95 s while another job shares
+the cores); each COMM_CASES entry adds as much."""
 
 import io
 import json
