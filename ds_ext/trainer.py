@@ -279,23 +279,38 @@ def _resume(engine, cfg, recipe, model_config, ckpt_dir, *, control, rank):
     """Load the newest complete checkpoint of ``ckpt_dir``: by DeepSpeed when it was
     written on this run's layout, cut anew for this layout when not. Returns its path."""
     from .checkpoint import reshard
+    from .comm import state as comm_state
     tag = _newest_tag(engine, ckpt_dir)
     if tag is None:
         raise ConfigError(f"--resume: DeepSpeed found no loadable checkpoint in {ckpt_dir}")
     tag_dir = os.path.join(ckpt_dir, tag)
     layout = _layout_record(cfg, recipe, model_config, engine)
-    error, changed, saved = None, [], None
+    error, changed, saved, comm = None, [], None, None
     try:
         state = reshard.load_model_state(engine, tag_dir)
         saved = state.get("seekspeed") if isinstance(state, dict) else None
         changed = _check_resume_state(saved, cfg, tag_dir, layout=layout, model_config=model_config)
+        comm = comm_state.resume_plan(saved.get("comm"), comm_state.settings(cfg.section.comm, layout=layout),
+                                      section=cfg.section.comm, path=tag_dir)
     except SeekspeedError as exc:
         error = exc
     control.stop_if_any_failed(error, rank=rank)
+    if comm.warning and rank == 0:
+        print(f"warning: {comm.warning}", file=sys.stderr, flush=True)
+    assert not (comm.load and changed), "a layout change is a compression settings change"
     if not changed:
         load_path, _ = engine.load_checkpoint(ckpt_dir, tag=tag)
         if load_path is None:
             raise ConfigError(f"--resume: DeepSpeed could not load {tag_dir}")
+        if comm.load:      # this rank's residuals, Q, generator and step count
+            try:
+                steps = comm_state.load_file(engine, tag_dir, saved=saved["comm"])
+            except SeekspeedError as exc:
+                error = exc
+            control.stop_if_any_failed(error, rank=rank)
+            if rank == 0:
+                print(f"comm: every rank's compression state restored ({cfg.section.comm.compressor}, {steps} steps "
+                      f"reduced)", flush=True)
         return load_path
     record = saved["layout"]
     if rank == 0:
@@ -550,11 +565,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     async_ckpt = engine._async_checkpoints()
     last_save = time.monotonic()
     layout_record = _layout_record(cfg, recipe, model_config, engine)
+    from .comm.state import settings as comm_settings
 
     def save(step):
         nonlocal last_save
+        # "comm": what each rank's compression state file (written by the engine) depends on
         meta = _resume_state(cfg) | {"recipe": s.recipe.name, "model_config": dataclasses.asdict(model_config),
-                                     "layout": layout_record}
+                                     "layout": layout_record, "comm": comm_settings(s.comm, layout=layout_record)}
         if engine.save_checkpoint(ckpt_dir, tag=f"global_step{step}", client_state={"seekspeed": meta}) is not False:
             saved.append(step)
         last_save = time.monotonic()

@@ -142,6 +142,15 @@ class CompressedReduction:
         finally:
             del opt.allreduce_bucket, opt.gradient_reduction_w_predivide
 
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        # this rank's compression state (state.py; --resume restores it) goes into the checkpoint
+        # first, through the same checkpoint engine (AsyncCheckpointing, before this mixin, has begun the save)
+        if self.grad_reducer is not None:
+            from .state import save_file
+            save_file(self, save_dir, tag if tag is not None else f"global_step{self.global_steps}")
+        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
 
 class FrozenVarianceAdam:
     """The step of an Adam/AdamW once ``target: "momentum"`` sends momentum: for each
