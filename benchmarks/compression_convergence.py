@@ -38,6 +38,7 @@ RUNS = {
     "int4-ef": {"compressor": "int4", "error_feedback": True},
     "sign-ef": {"compressor": "sign", "error_feedback": True},
     # 1-bit Adam's scheme: Adam's variance frozen after the warm-up, the momentum sent compressed
+    "momentum-fp32": {"compressor": "fp32", "target": "momentum"},     # the frozen variance alone, uncompressed
     "momentum-sign": {"compressor": "sign", "target": "momentum"},
     "momentum-int4": {"compressor": "int4", "target": "momentum"},
     "momentum-topk-1%": {"compressor": "topk", "ratio": 0.01, "target": "momentum"},

@@ -627,8 +627,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
         if reducer is not None and reducer.last is not None:
             comm_steps.append(reducer.last.figures())
             if progress.is_log_step(step):
-                line = reducer.last.line(s.comm.compressor + (" (warm-up, dense)" if reducer.steps <= s.comm.warmup_steps
-                                                              else ""))
+                what = s.comm.compressor + ("" if s.comm.target == "gradient" else f" {s.comm.target}")
+                line = reducer.last.line(what + (f" ({reducer.last.dense}, dense)" if reducer.last.dense else ""))
                 extra = f"{extra} | {line}" if extra else line
         progress.update(step, loss, lr=engine.get_lr()[0], extra=extra)
         if parts:

@@ -11,13 +11,13 @@ settings fingerprint; what
 --resume does per ``seekspeed.comm.on_mismatch`` (load, refuse in one line, restart
 with a one-line warning naming what is lost, drop the state for compressor none).
 Two gloo ranks through the trainer (2 data-parallel replicas, tiny), for each section of
-COMM_CASES (sampled top-k with error feedback after one dense step): an uninterrupted 4-step run (DeepSpeed's engine,
-checkpoints at 2 and 4), resumed from step 2 with each engine: the same losses and, at
-step 4, the same compression state, bitwise (same arithmetic in the same order); the
-residuals at step 2 are not zero and the generator has moved, and a resume that drops
-the state (on_mismatch restart) gives another loss. About 45 s on 2 cores: four 2-rank
-training runs of about 10 s each, most of it start-up (55-95 s while another job shares
-the cores); each COMM_CASES entry adds as much."""
+COMM_CASES (sampled top-k with error feedback after one dense step; target momentum with
+sign): an uninterrupted 4-step run (DeepSpeed's engine, checkpoints at 2 and 4), resumed
+from step 2 (RESUMES: top-k with each engine, momentum with the asynchronous one): the same
+losses and, at step 4, the same compression state, bitwise (same arithmetic in the same
+order); the residuals at step 2 are not zero and the generator has moved, and a resume
+that drops the state (on_mismatch restart) gives another loss. About 65 s on 2 cores:
+six 2-rank training runs of about 10 s each, most of it start-up."""
 
 import io
 import json
@@ -192,7 +192,13 @@ def test_resume_loads_restarts_or_drops():
 # the seekspeed.comm sections a resumed run is checked under, one test case each
 COMM_CASES = {
     "topk-sampled-error-feedback": TOPK | {"warmup_steps": 1, "min_numel": 2048},
+    # the momentum (the reducer's M), sign's worker and server residuals; the frozen
+    # variance and its step count are in DeepSpeed's optimizer state
+    "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "min_numel": 2048},
 }
+# (case, engine) resumed: top-k with both engines, the momentum mode with the asynchronous one
+RESUMES = [("topk-sampled-error-feedback", "deepspeed"), ("topk-sampled-error-feedback", "async-zstd"),
+           ("sign-momentum", "async-zstd")]
 
 
 def _cfg(tmp_path, name, comm, *, engine):
@@ -245,17 +251,23 @@ def _same(a, b):
     return a == b
 
 
-@pytest.fixture(scope="module", params=sorted(COMM_CASES))
-def uninterrupted(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    comm = COMM_CASES[request.param]
-    summary, _, _ = _train(_cfg(tmp, "full", comm, engine="deepspeed"), tmp / "full")
-    return {"tmp": tmp, "comm": comm, "dir": tmp / "full", "summary": summary}
+_UNINTERRUPTED = {}
+
+
+def _uninterrupted(case, tmp_path_factory):
+    """The uninterrupted 4-step run of ``case``, trained once per session."""
+    if case not in _UNINTERRUPTED:
+        tmp = tmp_path_factory.mktemp(case)
+        comm = COMM_CASES[case]
+        summary, _, _ = _train(_cfg(tmp, "full", comm, engine="deepspeed"), tmp / "full")
+        _UNINTERRUPTED[case] = {"tmp": tmp, "comm": comm, "dir": tmp / "full", "summary": summary}
+    return _UNINTERRUPTED[case]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("engine", ["deepspeed", "async-zstd"])
-def test_resume_restores_compression_state_bitwise(uninterrupted, engine):
+@pytest.mark.parametrize("case, engine", RESUMES)
+def test_resume_restores_compression_state_bitwise(case, engine, tmp_path_factory):
+    uninterrupted = _uninterrupted(case, tmp_path_factory)
     full, tmp, comm = uninterrupted["dir"], uninterrupted["tmp"], uninterrupted["comm"]
     # what the resumed run must get back (without it the losses differ: the restart test)
     fresh = torch.Generator().manual_seed(0).get_state()
@@ -285,10 +297,11 @@ def _unread(comm):
 
 
 @pytest.mark.multirank
-def test_resume_that_drops_the_state_trains_otherwise(uninterrupted):
+def test_resume_that_drops_the_state_trains_otherwise(tmp_path_factory):
     """on_mismatch restart after a settings change the compressor does not read: the
     state is dropped, the dense warm-up runs again; the step-3 loss (computed before
-    any reduction) is the same, the step-4 loss is not."""
+    any reduction) is the same, the step-4 loss is not (top-k)."""
+    uninterrupted = _uninterrupted("topk-sampled-error-feedback", tmp_path_factory)
     tmp, comm = uninterrupted["tmp"], uninterrupted["comm"]
     change, named = _unread(comm)
     resumed, _, err = _train(_cfg(tmp, "restart", comm | change | {"on_mismatch": "restart"}, engine="deepspeed"),

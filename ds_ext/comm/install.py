@@ -177,7 +177,7 @@ class FrozenVarianceAdam:
     @torch.no_grad()
     def step(self, closure=None):
         reducer = self.reducer
-        if not reducer.momentum_step:
+        if not reducer.sent_momentum:
             return self.dense_step() if closure is None else self.dense_step(closure)
         if reducer.skipped:
             self.skipped_steps += 1

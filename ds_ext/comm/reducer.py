@@ -54,6 +54,7 @@ class ReduceStats:
     dense_numel: int = 0
     compressed_numel: int = 0
     calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
+    dense: str = ""              # why this step went dense: "warm-up", "variance refresh", or ""
 
     def line(self, name):
         return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
@@ -61,7 +62,7 @@ class ReduceStats:
                 f"total {self.total_s * 1e3:.0f} ms")
 
     def figures(self):
-        return {k: v for k, v in asdict(self).items() if k != "calls"}
+        return {k: v for k, v in asdict(self).items() if k not in ("calls", "dense")}
 
 
 def _wire_bytes(req, world):
@@ -91,20 +92,20 @@ class GradientReducer:
         self._buffers = {}
         self.stats = ReduceStats()
         self.last = None
-        # target "momentum": Adam's beta1 (set by install), M per (key, part), and this
-        # step's facts for the optimizer: whether it sent momentum, whether it was non-finite
+        # target "momentum": Adam's beta1 (set by install), M per (key, part), whether the
+        # last step reduced sent momentum, and whether it was non-finite (then skipped)
         self.beta1 = None
         self.momentum = {}
-        self.momentum_step = False
+        self.sent_momentum = False
         self.skipped = False
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
-        self.stats = ReduceStats()
-        self.momentum_step = self.section.target == "momentum" and not self.warming_up
+        self.stats = ReduceStats(dense="warm-up" if self.warming_up else "variance refresh" if self.refreshing else "")
         self.skipped = False
 
     def end_step(self):
+        self.sent_momentum = self.momentum_step      # what the optimizer step after it is to do
         self.steps += 1
         self.last = self.stats
         return self.stats
@@ -112,6 +113,28 @@ class GradientReducer:
     @property
     def warming_up(self):
         return self.steps < self.section.warmup_steps
+
+    @property
+    def dense_step(self):
+        """This step goes dense (warm-up or variance refresh)."""
+        return self.warming_up or self.refreshing
+
+    @property
+    def momentum_step(self):
+        """This step sends momentum (target momentum, not a dense step)."""
+        return self.section.target == "momentum" and not self.dense_step
+
+    @property
+    def refreshing(self):
+        """target momentum, ``variance_refresh: "doubling"``: this step (the reducer's
+        ``steps + 1``-th) is one of T x 2^j (T = warmup_steps, j >= 1), where the gradient
+        goes dense and Adam updates its variance once more (0/1 Adam's growing intervals
+        between variance updates, arXiv 2202.06009, without its local steps)."""
+        t, w = self.steps + 1, self.section.warmup_steps
+        if self.section.target != "momentum" or self.section.variance_refresh != "doubling" or t <= w or t % w:
+            return False
+        ratio = t // w
+        return ratio & (ratio - 1) == 0
 
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
@@ -122,7 +145,7 @@ class GradientReducer:
         uncompressed (``seekspeed.comm.dense_params``)."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
-        comp = self.dense if self.warming_up else self.compressor
+        comp = self.dense if self.dense_step else self.compressor
         grads = [g for g in grads if g.numel()]
         big = [g for g in grads
                if id(g) not in dense and g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
