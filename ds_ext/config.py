@@ -244,10 +244,6 @@ class CommSection:
     # (Adam/AdamW only: the second moment frozen after the dense warm-up, each rank's momentum
     # compressed with error feedback on the worker and the server side, as 1-bit Adam does)
     target: str = "gradient"
-    # target momentum: "doubling" sends the gradient dense at steps 2T, 4T, 8T, ... (T =
-    # warmup_steps) so that Adam updates its variance there (0/1 Adam's idea); "none": frozen
-    # for good after the warm-up (1-bit Adam's)
-    variance_refresh: str = "doubling"
     # topk
     ratio: float = 0.01
     selection: str = "sampled"      # "exact" (torch.topk) or "sampled" (DGC threshold from a sample)
@@ -285,8 +281,6 @@ class CommSection:
                               f"{list(COMPRESSORS)}")
         if self.target not in ("gradient", "momentum"):
             raise ConfigError(f"{where}.target {self.target!r} is not one of ['gradient', 'momentum']")
-        if self.variance_refresh not in ("doubling", "none"):
-            raise ConfigError(f"{where}.variance_refresh {self.variance_refresh!r} is not one of ['doubling', 'none']")
         if self.on_mismatch not in ("refuse", "restart"):
             raise ConfigError(f"{where}.on_mismatch {self.on_mismatch!r} is not one of ['refuse', 'restart']")
         if self.target == "momentum":

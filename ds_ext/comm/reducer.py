@@ -54,7 +54,7 @@ class ReduceStats:
     dense_numel: int = 0
     compressed_numel: int = 0
     calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
-    dense: str = ""              # why this step went dense: "warm-up", "variance refresh", or ""
+    dense: str = ""              # why this step went dense: "warm-up", or ""
 
     def line(self, name):
         return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
@@ -101,7 +101,7 @@ class GradientReducer:
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
-        self.stats = ReduceStats(dense="warm-up" if self.warming_up else "variance refresh" if self.refreshing else "")
+        self.stats = ReduceStats(dense="warm-up" if self.warming_up else "")
         self.skipped = False
 
     def end_step(self):
@@ -116,25 +116,14 @@ class GradientReducer:
 
     @property
     def dense_step(self):
-        """This step goes dense (warm-up or variance refresh)."""
-        return self.warming_up or self.refreshing
+        """This step goes dense (the warm-up)."""
+        return self.warming_up
 
     @property
     def momentum_step(self):
         """This step sends momentum (target momentum, not a dense step)."""
         return self.section.target == "momentum" and not self.dense_step
 
-    @property
-    def refreshing(self):
-        """target momentum, ``variance_refresh: "doubling"``: this step (the reducer's
-        ``steps + 1``-th) is one of T x 2^j (T = warmup_steps, j >= 1), where the gradient
-        goes dense and Adam updates its variance once more (0/1 Adam's growing intervals
-        between variance updates, arXiv 2202.06009, without its local steps)."""
-        t, w = self.steps + 1, self.section.warmup_steps
-        if self.section.target != "momentum" or self.section.variance_refresh != "doubling" or t <= w or t % w:
-            return False
-        ratio = t // w
-        return ratio & (ratio - 1) == 0
 
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
