@@ -110,7 +110,7 @@ def main(argv=None):
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=10, help="dense optimizer steps before compressing")
-    p.add_argument("--momentum-warmup", type=int, default=10,
+    p.add_argument("--momentum-warmup", type=int, default=60,
                    help="target momentum: dense AdamW steps before the variance is frozen")
     p.add_argument("--min-numel", type=int, default=4096, help="tensors smaller than this go dense")
     p.add_argument("--optimizer", choices=["config", "sgd"], default="config",
