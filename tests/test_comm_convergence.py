@@ -1,42 +1,37 @@
-"""Compressed gradients still train: the tiny recipe on 2 data-parallel ranks through
-the real deepspeed launcher, 300 steps at the size of benchmarks/compression_convergence.py
-(the README's figures), SGD with momentum 0.9 (DGC's setting). Top-k 1 % with DGC's
-momentum correction and error feedback and PowerSGD rank 4 (embedding and head dense,
-its default) end within 5 % of the dense run; top-k without error feedback is
-measurably worse. (int8, +0.1 to +0.3 %, PowerSGD without error feedback, +8.2 %, and
-AdamW's figures are in the README, measured by the benchmark: one more run here costs
-over a minute and a half of CI, and int8's arithmetic and error feedback are checked
-exactly in test_comm.py and test_comm_engine.py; test_comm.py shows PowerSGD's error feedback delivering what compression held
-back. Shorter or smaller runs were too noisy to tell these apart: at 64 tokens a
-sequence the dense run ended behind int8's.) About 6 minutes.
+"""Compressed communication still trains, in the setting users train in: the tiny
+recipe on 2 data-parallel ranks through the real deepspeed launcher, 300 steps of the
+config's AdamW (lr schedule as ds_configs/tiny_cpu.json), at the size of
+benchmarks/compression_convergence.py (the README's figures). Adam's momentum sent as
+signs (1 bit per entry, target momentum after a 60-step dense warm-up) and the gradient
+as int4 with error feedback both end near the dense run. About 5 minutes: three runs.
+
+The gradient compressors' other settings (top-k with DGC under SGD, PowerSGD, int8, and
+the seeds 0, 1, 2 of these) are measured by the benchmark, not here: each run costs
+about a minute and a half of CI, and their arithmetic and error feedback are checked
+exactly in test_comm.py, test_comm_engine.py and test_comm_momentum.py.
 
 A behavioural bound, not a derived one: 300 steps amplify every last-bit difference, so
 the compressed-to-dense ratio moves with the seed and with the CPU's kernels. Measured
-with this command: PowerSGD -1.2 % (default kernels), +0.5 % and -1.5 % (seeds 1, 2),
-+3.0 % (ATEN_CPU_CAPABILITY=avx2, 2 threads); top-k DGC +0.7 % / -1.3 %, int8 +0.3 % /
-+0.2 % (default / avx2). 5 % holds that spread with room and still fails a compressor
-that has lost its error feedback (top-k without it: +14.3 % / +9.3 %)."""
+over seeds 0, 1, 2 (README): BOUND_PCT holds that spread with room and still fails a
+momentum mode whose frozen variance throws the weights (+95 % before the step floor in
+FrozenVarianceAdam) or a quantiser without error feedback."""
 
 import pytest
 
 pytestmark = pytest.mark.e2e
 
+BOUND_PCT = 3.0
 
-def test_compressed_runs_end_near_the_dense_run():
+
+def test_adamw_runs_with_compressed_momentum_and_int4_end_near_dense():
     from benchmarks.compression_convergence import main
-    from recipes import deepseek_v3
-    from recipes.layers.pipe import count_parameters
-    rows = main(["--optimizer", "sgd", "--lr", "0.3", "--runs", "none", "topk-1%-dgc", "topk-1%-no-ef",
-                 "powersgd-r4-ef"])
-    by = {r["name"]: r for r in rows}
+    rows = main(["--runs", "none", "momentum-sign", "int4-ef"])
+    by = {r["run"]: r for r in rows}
     dense = by["none"]["final_loss"]
     assert dense < by["none"]["first_loss"] - 3.0          # it trained
-    near = 1.05          # the measured spread over seeds and kernels, with room (docstring)
-    assert by["topk-1%-dgc"]["final_loss"] < dense * near, rows
-    assert by["topk-1%-no-ef"]["final_loss"] > by["topk-1%-dgc"]["final_loss"] * 1.05, rows
-    assert by["powersgd-r4-ef"]["final_loss"] < dense * near, rows
-    # the compressed runs sent what the compressors say: top-k 1 % (values and indices,
-    # the small tensors dense) about 2 % of a dense fp32 ring all-reduce over 2 ranks
-    config = deepseek_v3.make_config("tiny")
-    dense_mb = 4 * sum(count_parameters(spec) for spec in deepseek_v3.layer_specs(config, seed=0)) / 1e6
-    assert by["topk-1%-dgc"]["wire_mb_per_step"] < 0.05 * dense_mb, (by["topk-1%-dgc"]["wire_mb_per_step"], dense_mb)
+    for name in ("momentum-sign", "int4-ef"):
+        assert by[name]["final_loss"] < dense * (1 + BOUND_PCT / 100), rows
+    # what they sent: sign's 1 bit plus a scale per 256 entries is about 1/28 of the dense
+    # fp32 ring's bytes, int4's about 1/7.8 (the small tensors dense in both)
+    assert by["momentum-sign"]["bytes_per_step"] < by["none"]["dense_bytes_per_step"] / 16, rows
+    assert by["int4-ef"]["bytes_per_step"] < by["none"]["dense_bytes_per_step"] / 6, rows
