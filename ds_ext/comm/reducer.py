@@ -115,15 +115,9 @@ class GradientReducer:
         return self.steps < self.section.warmup_steps
 
     @property
-    def dense_step(self):
-        """This step goes dense (the warm-up)."""
-        return self.warming_up
-
-    @property
     def momentum_step(self):
-        """This step sends momentum (target momentum, not a dense step)."""
-        return self.section.target == "momentum" and not self.dense_step
-
+        """This step sends momentum (target momentum, after the warm-up)."""
+        return self.section.target == "momentum" and not self.warming_up
 
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
@@ -134,7 +128,7 @@ class GradientReducer:
         uncompressed (``seekspeed.comm.dense_params``)."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
-        comp = self.dense if self.dense_step else self.compressor
+        comp = self.dense if self.warming_up else self.compressor
         grads = [g for g in grads if g.numel()]
         big = [g for g in grads
                if id(g) not in dense and g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
@@ -190,9 +184,9 @@ class GradientReducer:
         if not all(bool(torch.isfinite(buf.sum())) for _, buf, _ in buffers):
             self.skipped = True
             return
-        if self.momentum_step:
+        if self.momentum_step:         # the mean becomes M; last step's M the next flat buffer
             for _, buf, part in buffers:
-                self.momentum[part].copy_(buf)
+                self.momentum[part], self._buffers[part] = buf, self.momentum[part]
             return
         for _, buf, part in buffers:
             m = self.momentum.get(part)
