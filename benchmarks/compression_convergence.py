@@ -35,12 +35,13 @@ RUNS = {
     "powersgd-r4-no-ef": {"compressor": "powersgd", "rank": 4, "error_feedback": False},
     "powersgd-r8-ef": {"compressor": "powersgd", "rank": 8, "error_feedback": True},
     "int8-ef": {"compressor": "int8", "error_feedback": True},
-    "int4-ef": {"compressor": "int4", "error_feedback": True},
+    "int4-ef": {"compressor": "int4", "error_feedback": True},          # a scale per 64 entries, its default
+    "int4-ef-b256": {"compressor": "int4", "error_feedback": True, "block_size": 256},
     "sign-ef": {"compressor": "sign", "error_feedback": True},
     # 1-bit Adam's scheme: Adam's variance frozen after the warm-up, the momentum sent compressed
     "momentum-fp32": {"compressor": "fp32", "target": "momentum"},     # the frozen variance alone, uncompressed
     "momentum-sign": {"compressor": "sign", "target": "momentum"},
-    "momentum-int4": {"compressor": "int4", "target": "momentum"},
+    "momentum-int4": {"compressor": "int4", "target": "momentum", "block_size": 256},
     "momentum-topk-1%": {"compressor": "topk", "ratio": 0.01, "target": "momentum"},
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},

@@ -50,7 +50,7 @@ def main(argv=None):
     p.add_argument("--per-node", type=int, default=8, help="ranks of the data-parallel group per node")
     p.add_argument("--ratio", type=float, default=0.01, help="top-k")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD")
-    p.add_argument("--block-size", type=int, default=256, help="int8, int4")
+    p.add_argument("--block-size", type=int, help="entries per scale, int8/int4/sign (default: each one's, int4 64, 256)")
     p.add_argument("--chunk-mb", type=float, default=16.0, help="seekspeed.comm.chunk_mb")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)

@@ -47,6 +47,34 @@ def test_bad_comm_section_is_one_line_error(raw, match):
 
 # -- single-process pieces ---------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["sign", "int4"])
+def test_block_codecs_decode_what_they_encode(name):
+    """sign: every entry decodes to its block's mean magnitude with the entry's sign (0
+    counts as +); int4: round(x / s) clamped to [-7, 7] times s, s = the block's max |x| / 7.
+    The packed bytes are the fast path's (one multiply for 8 signs, a table per byte)."""
+    from ds_ext.comm.compressors import _Int4Codec, _SignCodec
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, 64, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    rows[3, ::3] = 0.0
+    codec = _SignCodec() if name == "sign" else _Int4Codec()
+    scales, codes = codec.encode(rows)
+    assert codes.dtype == torch.uint8 and codes.numel() == rows.numel() // codec.per_byte
+    got = codec.decode_into(scales, codes, torch.empty_like(rows))
+    if name == "sign":
+        mean = rows.abs().mean(dim=1, keepdim=True)
+        want = torch.where(rows >= 0, mean, -mean)
+        np.testing.assert_allclose(scales, mean[:, 0], rtol=gamma(64))
+        torch.testing.assert_close(got, torch.where(rows >= 0, scales[:, None], -scales[:, None]), rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=2 * gamma(64), atol=0)
+    else:
+        step = rows.abs().amax(dim=1, keepdim=True) / 7
+        want = (rows / step).round().clamp(-7, 7) * step
+        # x / s and x * (1 / s) may round to either side of a .5 boundary: at most one step apart
+        assert ((got - want).abs() <= step * (1 + 1e-6)).all()
+        assert ((got - want).abs() > 1e-6 * step).float().mean() < 1e-3
+        assert ((got - rows).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
 def test_sampled_selection_keeps_at_most_k_of_the_largest():
     from ds_ext.comm.compressors import TopK
     torch.manual_seed(0)

@@ -261,20 +261,20 @@ def test_all_to_all_charged_only_where_no_compute_covers_it(tmp_path):
 
 def test_two_phase_bytes_by_hand():
     """sign and int4 (all-to-all, then all-gather of the recompressed segments): P per
-    phase = the codes plus a scale per segment (sign) or per block (int4); hierarchical
-    2 (N-1)/N x P per node, flat the node's m ranks' all-to-all m (N-1)/N x P plus the
-    ring all-gather's (W-1)/W x P; like a ring all-reduce of P, it stays flat in N."""
-    from ds_ext.comm.traffic import CHUNK_NUMEL, inter_node_bytes, payload_bytes
-    n = 10_000_000                        # 3 chunks of CHUNK_NUMEL = 4,194,304
-    assert -(-n // CHUNK_NUMEL) == 3
-    assert payload_bytes("sign", numel=n, segments=6) == (1_250_000 + 4 * 6, "two_phase")
-    hier = inter_node_bytes("sign", nodes=2, per_node=8, hierarchical=True, numel=n)
-    assert hier == 2 * (2 - 1) / 2 * (1_250_000 + 4 * 3 * 2)              # segments: 3 chunks x 2 rail ranks
+    phase = the codes plus a scale per block (sign: 256 entries, int4: 64, their
+    defaults); hierarchical 2 (N-1)/N x P per node, flat the node's m ranks' all-to-all
+    m (N-1)/N x P plus the ring all-gather's (W-1)/W x P; like a ring all-reduce of P, it
+    stays flat in N."""
+    from ds_ext.comm.traffic import inter_node_bytes, payload_bytes
+    n = 10_000_000
+    p = 1_250_000 + 4 * 39_063                                             # ceil(n / 256) scales
+    assert payload_bytes("sign", numel=n) == (p, "two_phase")
+    assert inter_node_bytes("sign", nodes=2, per_node=8, hierarchical=True, numel=n) == 2 * (2 - 1) / 2 * p
     flat = inter_node_bytes("sign", nodes=2, per_node=8, hierarchical=False, numel=n)
-    p = 1_250_000 + 4 * 3 * 16
     assert flat == pytest.approx(8 * (1 / 2) * p + 15 / 16 * p)
-    int4 = 5_000_000 + 4 * 39_063                                          # ceil(n / 256) scales
+    int4 = 5_000_000 + 4 * 156_250                                         # ceil(n / 64) scales
     assert inter_node_bytes("int4", nodes=4, per_node=8, hierarchical=True, numel=n) == pytest.approx(2 * 3 / 4 * int4)
+    assert payload_bytes("int4", numel=n, block_size=256)[0] == 5_000_000 + 4 * 39_063
     for name in ("sign", "int4"):
         two, many = (inter_node_bytes(name, nodes=k, per_node=8, hierarchical=True, numel=n) for k in (2, 128))
         assert 1.9 * two < many < 2 * two                                   # 2 (N-1)/N: flat in N

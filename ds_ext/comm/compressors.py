@@ -312,45 +312,57 @@ class Int8:
 
 class _BlockCodec:
     """A block quantiser: ``encode(rows)`` of a [blocks, block_size] fp32 tensor gives
-    (scales [blocks] fp32, codes uint8), ``decode`` the fp32 rows back. A non-finite
-    input gives a non-finite scale (which the receivers check)."""
-    bits = 8
+    (scales [blocks] fp32, codes uint8); ``decode_into(scales, codes, out)`` writes the
+    fp32 rows back into ``out`` ([blocks, block_size]): each code byte looked up in a
+    256-entry table of the values it stands for (one gather), then scaled per block. A
+    non-finite input gives a non-finite scale (which the receivers check)."""
+    per_byte = 1
+    table = None
 
-    def code_bytes(self, numel):
-        return numel * self.bits // 8
+    def _table(self, device):
+        if self.table is None or self.table.device != device:
+            self.table = self.values(torch.arange(256, dtype=torch.int64)).to(torch.float32).to(device)
+        return self.table
+
+    def decode_into(self, scales, codes, out):
+        torch.index_select(self._table(codes.device), 0, codes.long(), out=out.view(-1, self.per_byte))
+        out.mul_(scales[:, None])
+        return out
 
 
 class _SignCodec(_BlockCodec):
     """1 bit per entry (its sign), one scale per block: the block's mean magnitude,
     which minimises the squared error of scale x sign (1-bit Adam's scale is the
     norm over sqrt(n); per block, layers of different magnitude keep their own)."""
-    bits = 1
-    _weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    per_byte = 8
+    # bit j of a byte (from the top) is entry j; 8 entries of 0/1 packed by one multiply:
+    # the product's top byte gathers entry j's byte shifted to bit 7 - j (no carries)
+    _PACK = 0x8040201008040201
+
+    @staticmethod
+    def values(byte):
+        return ((byte[:, None] >> torch.arange(7, -1, -1)) & 1) * 2 - 1
 
     def encode(self, rows):
-        scales = rows.abs().mean(dim=1)
-        bits = (rows >= 0).view(-1, 8).to(torch.uint8)
-        codes = (bits * self._weights.to(rows.device)).sum(dim=1, dtype=torch.uint8)
-        return scales, codes
-
-    def decode(self, scales, codes, blocks, block_size):
-        bits = codes.view(-1, 1).bitwise_and(self._weights.to(codes.device)).ne(0).view(blocks, block_size)
-        return torch.where(bits, scales[:, None], -scales[:, None])
+        scales = torch.linalg.vector_norm(rows, ord=1, dim=1).div_(rows.shape[1])
+        bits = (rows >= 0).view(-1, 8).to(torch.uint8).view(torch.int64)
+        return scales, (bits * self._PACK).bitwise_right_shift_(56).to(torch.uint8).view(-1)
 
 
 class _Int4Codec(_BlockCodec):
-    """Symmetric 4-bit codes in [-7, 7] (two per byte), one scale per block: max |x| / 7."""
-    bits = 4
+    """Symmetric 4-bit codes in [-7, 7] (two per byte, the first in the high nibble),
+    one scale per block: max |x| / 7."""
+    per_byte = 2
+
+    @staticmethod
+    def values(byte):
+        return torch.stack([byte >> 4, byte & 15], dim=1) - 8
 
     def encode(self, rows):
-        scales = rows.abs().amax(dim=1) / 7.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(rows / safe[:, None]).clamp_(-7, 7).to(torch.int16).add_(8).to(torch.uint8).view(-1, 2)
+        scales = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1).div_(7.0)
+        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        q = torch.mul(rows, inverse[:, None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8).view(-1, 2)
         return scales, q[:, 0].bitwise_left_shift(4).bitwise_or_(q[:, 1])
-
-    def decode(self, scales, codes, blocks, block_size):
-        q = torch.stack([codes.bitwise_right_shift(4), codes.bitwise_and(15)], dim=1).view(blocks, block_size)
-        return (q.to(torch.float32) - 8.0) * scales[:, None]
 
 
 class TwoPhase:
@@ -378,14 +390,15 @@ class TwoPhase:
         per_rank = -(-n // world)
         return -(-per_rank // self.block_size) * self.block_size
 
-    def _pack(self, rows):
-        scales, codes = self.codec.encode(rows)
-        return scales, torch.cat([scales.view(torch.uint8), codes.view(-1)])
+    def _payload(self, scales, codes):
+        return torch.cat([scales.view(torch.uint8), codes.view(-1)])
 
-    def _unpack(self, payload, blocks):
-        head = blocks * 4
-        scales = payload[:head].view(torch.float32)
-        return scales, self.codec.decode(scales, payload[head:], blocks, self.block_size)
+    def _decode_payload(self, payload, blocks, out):
+        """Decode one segment's payload into ``out`` ([blocks, block_size]); returns
+        whether its scales are finite."""
+        scales = payload[:blocks * 4].view(torch.float32)
+        self.codec.decode_into(scales, payload[blocks * 4:], out)
+        return bool(torch.isfinite(scales).all())
 
     def exchange(self, key, region, views, group, scale=1.0):
         world = torch.distributed.get_world_size(group)
@@ -394,34 +407,44 @@ class TwoPhase:
         seg = self._segment(n, world)
         blocks = seg // b
         st = self.state.get(key, {})
-        x = torch.zeros(world * seg, device=region.device)
-        x[:n] = region
+        x = torch.empty(world * seg, device=region.device)
+        x[n:].zero_()
         if self.error_feedback and "worker" in st:
-            x[:n] += st["worker"]
+            torch.add(region, st["worker"], out=x[:n])
+        else:
+            x[:n].copy_(region)
         rows = x.view(world * blocks, b)
         scales, codes = self.codec.encode(rows)
-        per = codes.view(world, -1)
-        send = torch.cat([scales.view(world, blocks).contiguous().view(torch.uint8).view(world, -1), per], dim=1)
+        send = torch.cat([scales.view(world, blocks).view(torch.uint8), codes.view(world, -1)], dim=1)
         recv = torch.empty_like(send)
         yield Collective("all_to_all", send.view(-1), group, out=[recv.view(-1)])
-        parts = [self._unpack(recv[r], blocks) for r in range(world)]
-        if not all(bool(torch.isfinite(s).all()) for s, _ in parts):
-            summed = torch.full((blocks, b), float("nan"), device=region.device)
-        else:
-            summed = torch.stack([v for _, v in parts]).sum(dim=0).mul_(scale)
+        summed = torch.empty(blocks, b, device=region.device)
+        part = torch.empty(blocks, b, device=region.device) if world > 1 else None
+        finite = self._decode_payload(recv[0], blocks, summed)
+        for r in range(1, world):
+            finite &= self._decode_payload(recv[r], blocks, part)
+            summed += part
+        if not finite:
+            summed.fill_(float("nan"))
+        elif scale != 1.0:
+            summed.mul_(scale)
         if self.error_feedback and "server" in st:
             summed += st["server"]
-        mine, payload = self._pack(summed)
-        out = [torch.empty_like(payload) for _ in range(world)]
-        yield Collective("all_gather", payload, group, out=out)
-        decoded = [self._unpack(p, blocks) for p in out]
-        if not all(bool(torch.isfinite(s).all()) for s, _ in decoded):
+        mine = self._payload(*self.codec.encode(summed))
+        out = [torch.empty_like(mine) for _ in range(world)]
+        yield Collective("all_gather", mine, group, out=out)
+        decoded = torch.empty(world * blocks, b, device=region.device)
+        finite = True
+        for r, payload in enumerate(out):
+            finite &= self._decode_payload(payload, blocks, decoded[r * blocks:(r + 1) * blocks])
+        if not finite:
             _poison(region)
             return              # the step is skipped: the residuals stay as they were
-        region.copy_(torch.cat([v.view(-1) for _, v in decoded])[:n])
+        region.copy_(decoded.view(-1)[:n])
         if self.error_feedback:
-            sent = self.codec.decode(scales, codes, world * blocks, b).view(-1)[:n]
-            self.state[key] = {"worker": x[:n] - sent, "server": summed - decoded[me][1]}
+            server = summed.sub_(decoded[me * blocks:(me + 1) * blocks])
+            sent = self.codec.decode_into(scales, codes, decoded)          # this rank's own encoding, reusing the buffer
+            self.state[key] = {"worker": x[:n].sub_(sent.view(-1)[:n]), "server": server}
 
 
 def _orthonormalise(p):
@@ -524,11 +547,11 @@ def make_compressor(section, *, seed=0):
     if name == "fp16":
         return Dense(torch.float16)
     if name == "int8":
-        return Int8(block_size=section.block_size, error_feedback=section.error_feedback)
+        return Int8(block_size=section.resolved_block_size, error_feedback=section.error_feedback)
     if name == "int4":
-        return TwoPhase(_Int4Codec(), block_size=section.block_size, error_feedback=section.error_feedback)
+        return TwoPhase(_Int4Codec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback)
     if name == "sign":
-        return TwoPhase(_SignCodec(), block_size=section.block_size, error_feedback=section.error_feedback)
+        return TwoPhase(_SignCodec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback)
     if name == "topk":
         return TopK(ratio=section.ratio, selection=section.selection, sample_ratio=section.sample_ratio,
                     kernel=section.kernel,

@@ -293,8 +293,8 @@ def install(engine, section, *, node_of=None, log=print):
         log(f"comm: data-parallel gradients through {section.compressor} ({shape}, chunks of {section.chunk_mb:g} MB, "
             f"{section.pipeline_depth} in flight, dense under {section.min_numel} elements"
             + (f", dense for the first {section.warmup_steps} steps" if section.warmup_steps else "")
-            + (f", sending Adam's momentum (variance frozen after the warm-up, worker and server error feedback "
-               f"where the compressor keeps residuals)" if section.target == "momentum" else "")
+            + (", sending Adam's momentum (variance frozen after the warm-up, error feedback as the compressor "
+               "keeps it)" if section.target == "momentum" else "")
             + _dense_note(patterns, named)
             + _kernel_note(reducer.compressor) + ")")
     return reducer

@@ -68,6 +68,7 @@ def settings(section, *, layout=None):
     if section.compressor == "none":
         return None
     out = {name: getattr(section, name) for name in SETTINGS_FIELDS}
+    out["block_size"] = section.resolved_block_size
     if out["dense_params"] is not None:
         out["dense_params"] = list(out["dense_params"])
     if layout is not None:

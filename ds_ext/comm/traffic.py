@@ -19,8 +19,8 @@ P bytes per rank:
   all-to-all does not go round a ring, each of the node's m ranks sends its segments for
   the other nodes itself, m (N-1)/N x P, then the all-gather's (W-1)/W x P (over the
   node's m NICs, so the time per NIC is the ring's). P counts per phase: sign
-  ceil(n/8) bytes plus an fp32 scale per segment, int4 ceil(n/2) plus an fp32 scale per
-  ``block_size`` entries.
+  ceil(n/8) bytes, int4 ceil(n/2), each plus an fp32 scale per ``block_size`` entries
+  (seekspeed.comm.block_size: int4 64, sign 256 unless set).
 
 Arrangements, N nodes of m ranks of the group (W = N m):
 
@@ -65,16 +65,16 @@ def chunk_numel(chunk_mb):
     return max(1, int(chunk_mb * 2 ** 20 / 4))
 
 
-def segments(numel, *, members, chunk=CHUNK_NUMEL):
-    """How many segments a two-phase compressor cuts a gradient of ``numel`` entries
-    into: each chunk into one per rank of the group it runs over."""
-    return math.ceil(numel / chunk) * members
+def default_block_size(compressor):
+    """Entries per scale when seekspeed.comm.block_size is unset (config.CommSection)."""
+    return 64 if compressor == "int4" else 256
 
 
-def payload_bytes(compressor, *, numel, matrices=(), ratio=0.01, rank=4, block_size=256, segments=1):
+def payload_bytes(compressor, *, numel, matrices=(), ratio=0.01, rank=4, block_size=None):
     """(bytes, collective) one rank contributes for a gradient of ``numel`` fp32
-    entries; ``matrices``: (rows, cols) of the tensors PowerSGD compresses; ``segments``:
-    how many the two-phase compressors cut it into (``segments()``), each with a scale."""
+    entries; ``matrices``: (rows, cols) of the tensors PowerSGD compresses; ``block_size``:
+    entries per scale (int8, int4, sign; None: the compressor's default)."""
+    block_size = block_size or default_block_size(compressor)
     if compressor in ("none", "fp32"):
         return 4 * numel, "all_reduce"
     if compressor in ("bf16", "fp16"):
@@ -84,7 +84,7 @@ def payload_bytes(compressor, *, numel, matrices=(), ratio=0.01, rank=4, block_s
     if compressor == "int4":
         return math.ceil(numel / 2) + 4 * math.ceil(numel / block_size), "two_phase"
     if compressor == "sign":
-        return math.ceil(numel / 8) + 4 * segments, "two_phase"
+        return math.ceil(numel / 8) + 4 * math.ceil(numel / block_size), "two_phase"
     if compressor == "topk":
         return 8 * math.ceil(numel * ratio), "all_gather"
     if compressor == "powersgd":
@@ -100,8 +100,6 @@ def inter_node_bytes(compressor, *, nodes, per_node, hierarchical, chunk=CHUNK_N
     if nodes < 2:
         return 0.0
     peers = nodes if hierarchical else nodes * per_node
-    if compressor in TWO_PHASE:
-        payload["segments"] = segments(payload["numel"], members=peers, chunk=chunk)
     size, kind = payload_bytes(compressor, **payload)
     if kind == "all_reduce" or (kind == "two_phase" and hierarchical):
         return 2 * (peers - 1) / peers * size
@@ -148,7 +146,7 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     return parts
 
 
-def per_node_table(*, numel, matrices=(), nodes=(2, 4, 8, 16, 32, 64, 128), per_node=8, block_size=256, ratio=0.01,
+def per_node_table(*, numel, matrices=(), nodes=(2, 4, 8, 16, 32, 64, 128), per_node=8, block_size=None, ratio=0.01,
                    rank=4, chunk=CHUNK_NUMEL, methods=None):
     """[{method, compressor, hierarchical, collective, bytes: {nodes: bytes per node per
     step}}] for a gradient of ``numel`` entries reduced over ``nodes`` x ``per_node``

@@ -269,7 +269,7 @@ def gradient_bytes(ds):
 def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
     """The plan for ``config_path`` on ``nodes`` x ``ranks_per_node`` GPUs.
     ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
-    from ds_ext.comm.traffic import chunk_numel, payload_bytes, segments, state_bytes
+    from ds_ext.comm.traffic import chunk_numel, payload_bytes, state_bytes
     from ds_ext.config import fp32_grad_accumulation, load_config, mixed_precision
     from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES, rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
@@ -421,8 +421,7 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
 
         def one(numel, members):
             return payload_bytes(comm.compressor, numel=numel, ratio=comm.ratio, rank=comm.rank,
-                                 block_size=comm.block_size, matrices=big,
-                                 segments=segments(numel, members=members, chunk=chunk))
+                                 block_size=comm.resolved_block_size, matrices=big)
         return one, big
 
     def comm_state(numel, members, *, hierarchical, matrices):
