@@ -47,20 +47,26 @@ def test_bad_comm_section_is_one_line_error(raw, match):
 
 # -- single-process pieces ---------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["sign", "int4"])
+@pytest.mark.parametrize("name", ["sign", "sign-fused", "int4"])
 def test_block_codecs_decode_what_they_encode(name):
     """sign: every entry decodes to its block's mean magnitude with the entry's sign (0
-    counts as +); int4: round(x / s) clamped to [-7, 7] times s, s = the block's max |x| / 7.
-    The packed bytes are the fast path's (one multiply for 8 signs, a table per byte)."""
+    counts as +), in torch ops (one multiply packs 8 signs, a table per byte decodes) and
+    in the fused C++ kernel (csrc/sign_codec.cpp), which packs the same bytes and leaves
+    the same residual up to its scale's summation order; int4: round(x / s) clamped to
+    [-7, 7] times s, s = the block's max |x| / 7."""
     from ds_ext.comm.compressors import _Int4Codec, _SignCodec
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(40, 64, generator=g) * torch.logspace(-3, 2, 40)[:, None]
     rows[3, ::3] = 0.0
-    codec = _SignCodec() if name == "sign" else _Int4Codec()
-    scales, codes = codec.encode(rows)
+    codec = {"sign": _SignCodec(kernel="torch"), "sign-fused": _SignCodec(kernel="fused"), "int4": _Int4Codec()}[name]
+    held_back = rows.clone()
+    scales, codes = codec.encode(held_back, residual=True)
     assert codes.dtype == torch.uint8 and codes.numel() == rows.numel() // codec.per_byte
     got = codec.decode_into(scales, codes, torch.empty_like(rows))
-    if name == "sign":
+    np.testing.assert_array_equal(held_back, rows - got)        # the residual: what the encoding held back
+    added = codec.decode_into(scales, codes, rows.clone(), accumulate=True, factor=0.5)
+    np.testing.assert_array_equal(added, rows + codec.decode_into(scales * 0.5, codes, torch.empty_like(rows)))
+    if name.startswith("sign"):
         mean = rows.abs().mean(dim=1, keepdim=True)
         want = torch.where(rows >= 0, mean, -mean)
         np.testing.assert_allclose(scales, mean[:, 0], rtol=gamma(64))

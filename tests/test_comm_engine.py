@@ -14,18 +14,26 @@ MOE = {"first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size
        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2}
 
 
-def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7):
+def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7,
+                       clip=1.0, weight_decay=None):
+    """A tiny 4-layer pipeline engine (``comm``: a seekspeed.comm section as a dict, or
+    None for DeepSpeed's reduction; ``precision`` fp32, bf16, bf16-fp32-accum or fp16)
+    and an iterator over ``steps`` x ``gas`` micro-batches of this replica's data. At
+    ``poison_step`` rank 1's gradient of one matrix is multiplied by inf."""
     from deepspeed import comm as dist
     from ds_ext.config import CommSection
     from ds_ext.pipe.engine import initialize
     from recipes import deepseek_v3
     config = deepseek_v3.make_config("tiny", {"num_hidden_layers": 4, **overrides})
     model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=seed)
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-          "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+    params = {"lr": 1e-3, "eps": 1e-6} | ({} if weight_decay is None else {"weight_decay": weight_decay})
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+          "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": params},
           "zero_optimization": {"stage": zero}}
-    if precision == "bf16":
+    if precision.startswith("bf16"):
         ds["bf16"] = {"enabled": True}
+    if precision == "bf16-fp32-accum":
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if precision == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine = initialize(model=model, config=ds, model_parameters=list(model.parameters()), schedule=schedule,
@@ -42,8 +50,12 @@ def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, pois
             for m in range(gas):
                 rows = data[step, m]
                 yield rows[:, :-1], rows[:, 1:]
+    return engine, batches()
 
-    it = batches()
+
+def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7):
+    engine, it = engine_and_batches(comm, zero=zero, precision=precision, stages=stages, gas=gas, steps=steps,
+                                    schedule=schedule, overrides=overrides, poison_step=poison_step, seed=seed)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     reducer = engine.grad_reducer

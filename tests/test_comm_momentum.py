@@ -18,7 +18,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.numerics import assert_within, gamma
-from tests.test_comm_engine import MOE
+from tests.test_comm_engine import MOE, engine_and_batches
 
 
 def _momentum_reducer_rank(compressor, steps, warmup, nodes=0):
@@ -89,37 +89,10 @@ def test_compressed_momentum_is_the_same_on_every_rank(compressor, world, nodes)
                 assert np.isfinite(a).all()
 
 
-def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, clip=1.0, poison_step=None,
-                world_seed=7):
-    from deepspeed import comm as dist
-    from ds_ext.config import CommSection
-    from ds_ext.pipe.engine import initialize
-    from recipes import deepseek_v3
-    gas = 2 * stages
-    config = deepseek_v3.make_config("tiny", {"num_hidden_layers": 4, **overrides})
-    model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=world_seed)
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-          "steps_per_print": 10 ** 6, "zero_optimization": {"stage": zero},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}}}
-    if precision.startswith("bf16"):
-        ds["bf16"] = {"enabled": True}
-    if precision == "bf16-fp32-accum":
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine = initialize(model=model, config=ds, model_parameters=list(model.parameters()), schedule=schedule,
-                        comm=CommSection(**comm) if comm else None, log=lambda _: None)
-    dp_id = model._grid.get_data_parallel_id()
-    g = torch.Generator().manual_seed(world_seed)
-    data = torch.randint(0, config.vocab_size, (steps, 2, gas, 2, 33), generator=g)[:, dp_id]
-    if poison_step is not None and dist.get_rank() == 1:
-        param = next(p for p in engine.module.parameters() if p.dim() == 2)
-        param.register_hook(lambda grad: grad * float("inf") if engine.global_steps == poison_step else grad)
-
-    def batches():
-        for step in range(steps):
-            for m in range(gas):
-                rows = data[step, m]
-                yield rows[:, :-1], rows[:, 1:]
-
+def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, clip=1.0, poison_step=None):
+    engine, it = engine_and_batches(comm, zero=zero, precision=precision, stages=stages, gas=2 * stages, steps=steps,
+                                    schedule=schedule, overrides=overrides, clip=clip, poison_step=poison_step,
+                                    weight_decay=0.1)
     from ds_ext.comm.install import _inner_optimizer
     inner = _inner_optimizer(engine)
 
@@ -130,7 +103,6 @@ def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, cl
     def weights():
         return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
-    it = batches()
     losses, variances, states = [], [], []
     for _ in range(steps):
         losses.append(engine.train_batch(it).item())

@@ -311,29 +311,52 @@ class Int8:
 
 
 class _BlockCodec:
-    """A block quantiser: ``encode(rows)`` of a [blocks, block_size] fp32 tensor gives
-    (scales [blocks] fp32, codes uint8); ``decode_into(scales, codes, out)`` writes the
-    fp32 rows back into ``out`` ([blocks, block_size]): each code byte looked up in a
-    256-entry table of the values it stands for (one gather), then scaled per block. A
-    non-finite input gives a non-finite scale (which the receivers check)."""
+    """A block quantiser over [blocks, block_size] fp32 rows: ``encode(rows, residual=)``
+    gives (scales [blocks] fp32, codes uint8) and, with ``residual``, leaves in ``rows``
+    what the encoding held back (rows - decoded); ``decode_into(scales, codes, out,
+    accumulate=, factor=)`` writes (or adds) ``factor`` x the decoded rows into ``out``. In
+    torch ops each code byte is looked up in a 256-entry table of the values it stands
+    for (one gather), then scaled per block. A non-finite input gives a non-finite scale
+    (which the receivers check)."""
     per_byte = 1
     table = None
+
+    def __init__(self, kernel="auto"):
+        self.kernel = kernel
+        self._module = None
+
+    def fused(self, device):
+        """The C++ kernel module for CPU tensors when this codec has one and it applies."""
+        return None
 
     def _table(self, device):
         if self.table is None or self.table.device != device:
             self.table = self.values(torch.arange(256, dtype=torch.int64)).to(torch.float32).to(device)
         return self.table
 
-    def decode_into(self, scales, codes, out):
-        torch.index_select(self._table(codes.device), 0, codes.long(), out=out.view(-1, self.per_byte))
-        out.mul_(scales[:, None])
+    def encode(self, rows, residual=False):
+        scales, codes = self.encode_torch(rows)
+        if residual:
+            rows.sub_(self.decode_into(scales, codes, torch.empty_like(rows)))
+        return scales, codes
+
+    def decode_into(self, scales, codes, out, accumulate=False, factor=1.0):
+        if factor != 1.0:
+            scales = scales * factor
+        target = torch.empty_like(out) if accumulate else out
+        torch.index_select(self._table(codes.device), 0, codes.long(), out=target.view(-1, self.per_byte))
+        target.mul_(scales[:, None])
+        if accumulate:
+            out.add_(target)
         return out
 
 
 class _SignCodec(_BlockCodec):
     """1 bit per entry (its sign), one scale per block: the block's mean magnitude,
     which minimises the squared error of scale x sign (1-bit Adam's scale is the
-    norm over sqrt(n); per block, layers of different magnitude keep their own)."""
+    norm over sqrt(n); per block, layers of different magnitude keep their own). On CPU
+    the fused kernel (csrc/sign_codec.cpp) encodes in one pass, the residual included,
+    and decodes in one."""
     per_byte = 8
     # bit j of a byte (from the top) is entry j; 8 entries of 0/1 packed by one multiply:
     # the product's top byte gathers entry j's byte shifted to bit 7 - j (no carries)
@@ -343,10 +366,39 @@ class _SignCodec(_BlockCodec):
     def values(byte):
         return ((byte[:, None] >> torch.arange(7, -1, -1)) & 1) * 2 - 1
 
-    def encode(self, rows):
+    def __init__(self, kernel="auto"):
+        super().__init__(kernel)
+        if kernel != "torch" and _cpu_accelerator():     # build now, not in the first step's reduction
+            self.fused(torch.device("cpu"))
+
+    def fused(self, device):
+        if device.type != "cpu" or self.kernel == "torch":
+            return None
+        if self._module is None:
+            from . import kernels
+            self._module = kernels.sign_codec(required=self.kernel == "fused") or False
+        return self._module or None
+
+    def encode_torch(self, rows):
         scales = torch.linalg.vector_norm(rows, ord=1, dim=1).div_(rows.shape[1])
         bits = (rows >= 0).view(-1, 8).to(torch.uint8).view(torch.int64)
         return scales, (bits * self._PACK).bitwise_right_shift_(56).to(torch.uint8).view(-1)
+
+    def encode(self, rows, residual=False):
+        module = self.fused(rows.device)
+        if module is None:
+            return super().encode(rows, residual)
+        scales = torch.empty(rows.shape[0], device=rows.device)
+        codes = torch.empty(rows.numel() // 8, dtype=torch.uint8, device=rows.device)
+        module.encode(rows.view(-1), scales, codes, rows.shape[1], residual)
+        return scales, codes
+
+    def decode_into(self, scales, codes, out, accumulate=False, factor=1.0):
+        module = self.fused(out.device)
+        if module is None:
+            return super().decode_into(scales, codes, out, accumulate, factor)
+        module.decode(scales.contiguous(), codes.contiguous(), out.view(-1), out.shape[-1], accumulate, factor)
+        return out
 
 
 class _Int4Codec(_BlockCodec):
@@ -358,7 +410,7 @@ class _Int4Codec(_BlockCodec):
     def values(byte):
         return torch.stack([byte >> 4, byte & 15], dim=1) - 8
 
-    def encode(self, rows):
+    def encode_torch(self, rows):
         scales = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1).div_(7.0)
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         q = torch.mul(rows, inverse[:, None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8).view(-1, 2)
@@ -390,61 +442,71 @@ class TwoPhase:
         per_rank = -(-n // world)
         return -(-per_rank // self.block_size) * self.block_size
 
-    def _payload(self, scales, codes):
-        return torch.cat([scales.view(torch.uint8), codes.view(-1)])
-
-    def _decode_payload(self, payload, blocks, out):
+    def _decode_payload(self, payload, blocks, out, **kw):
         """Decode one segment's payload into ``out`` ([blocks, block_size]); returns
         whether its scales are finite."""
         scales = payload[:blocks * 4].view(torch.float32)
-        self.codec.decode_into(scales, payload[blocks * 4:], out)
+        self.codec.decode_into(scales, payload[blocks * 4:], out, **kw)
         return bool(torch.isfinite(scales).all())
+
+    def _buffer(self, st, name, numel, device):
+        """A buffer kept from step to step under ``name`` ("spare_*": scratch, not saved
+        with a checkpoint): a fresh gradient-sized allocation costs its page faults."""
+        buf = st.get(name)
+        if buf is None or buf.numel() != numel or buf.device != device:
+            buf = torch.empty(numel, device=device)
+        return buf
 
     def exchange(self, key, region, views, group, scale=1.0):
         world = torch.distributed.get_world_size(group)
-        me = torch.distributed.get_rank(group)
         n, b = region.numel(), self.block_size
         seg = self._segment(n, world)
         blocks = seg // b
+        ef = self.error_feedback
         st = self.state.get(key, {})
-        x = torch.empty(world * seg, device=region.device)
+        dev = region.device
+        # this step's residuals go into last step's spares, committed when the step is finite
+        x = self._buffer(st, "spare_worker", world * seg, dev)
         x[n:].zero_()
-        if self.error_feedback and "worker" in st:
-            torch.add(region, st["worker"], out=x[:n])
+        if ef and "worker" in st:
+            torch.add(region, st["worker"][:n], out=x[:n])
         else:
             x[:n].copy_(region)
-        rows = x.view(world * blocks, b)
-        scales, codes = self.codec.encode(rows)
+        scales, codes = self.codec.encode(x.view(world * blocks, b), residual=ef)   # x: the worker residual now
         send = torch.cat([scales.view(world, blocks).view(torch.uint8), codes.view(world, -1)], dim=1)
         recv = torch.empty_like(send)
         yield Collective("all_to_all", send.view(-1), group, out=[recv.view(-1)])
-        summed = torch.empty(blocks, b, device=region.device)
-        part = torch.empty(blocks, b, device=region.device) if world > 1 else None
-        finite = self._decode_payload(recv[0], blocks, summed)
-        for r in range(1, world):
-            finite &= self._decode_payload(recv[r], blocks, part)
-            summed += part
+        summed = self._buffer(st, "spare_server", seg, dev).view(blocks, b)
+        finite = True
+        for r in range(world):
+            finite &= self._decode_payload(recv[r], blocks, summed, accumulate=r > 0, factor=scale)
         if not finite:
             summed.fill_(float("nan"))
-        elif scale != 1.0:
-            summed.mul_(scale)
-        if self.error_feedback and "server" in st:
-            summed += st["server"]
-        mine = self._payload(*self.codec.encode(summed))
+        if ef and "server" in st:
+            summed += st["server"].view(blocks, b)
+        server_scales, server_codes = self.codec.encode(summed, residual=ef)     # summed: the server residual now
+        mine = torch.cat([server_scales.view(torch.uint8), server_codes.view(-1)])
         out = [torch.empty_like(mine) for _ in range(world)]
         yield Collective("all_gather", mine, group, out=out)
-        decoded = torch.empty(world * blocks, b, device=region.device)
-        finite = True
+        decoded = self._buffer(st, "spare_decoded", world * seg, dev).view(world * blocks, b)
         for r, payload in enumerate(out):
             finite &= self._decode_payload(payload, blocks, decoded[r * blocks:(r + 1) * blocks])
+        self.state[key] = st
+        st["spare_decoded"] = decoded.view(-1)
         if not finite:
+            if ef:
+                st["spare_worker"], st["spare_server"] = x, summed.view(-1)
             _poison(region)
             return              # the step is skipped: the residuals stay as they were
         region.copy_(decoded.view(-1)[:n])
-        if self.error_feedback:
-            server = summed.sub_(decoded[me * blocks:(me + 1) * blocks])
-            sent = self.codec.decode_into(scales, codes, decoded)          # this rank's own encoding, reusing the buffer
-            self.state[key] = {"worker": x[:n].sub_(sent.view(-1)[:n]), "server": server}
+        if ef:
+            spares = {"spare_worker": st.get("worker"), "spare_server": st.get("server")}
+            st.update(worker=x, server=summed.view(-1))
+            for name, buf in spares.items():
+                if buf is None:
+                    st.pop(name, None)
+                else:
+                    st[name] = buf
 
 
 def _orthonormalise(p):
@@ -551,7 +613,8 @@ def make_compressor(section, *, seed=0):
     if name == "int4":
         return TwoPhase(_Int4Codec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback)
     if name == "sign":
-        return TwoPhase(_SignCodec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback)
+        return TwoPhase(_SignCodec(kernel=section.kernel), block_size=section.resolved_block_size,
+                        error_feedback=section.error_feedback)
     if name == "topk":
         return TopK(ratio=section.ratio, selection=section.selection, sample_ratio=section.sample_ratio,
                     kernel=section.kernel,

@@ -300,6 +300,11 @@ def install(engine, section, *, node_of=None, log=print):
     return reducer
 
 
+def _on_cpu():
+    from ds_ext.comm.compressors import _cpu_accelerator
+    return _cpu_accelerator()
+
+
 def _dense_note(patterns, named):
     """Which parameters go dense by name (on rank 0's stage), for the install log line."""
     if not patterns:
@@ -310,9 +315,16 @@ def _dense_note(patterns, named):
 
 
 def _kernel_note(compressor):
-    """Which top-k selection code runs, for the install log line."""
+    """Which top-k selection or sign codec code runs, for the install log line."""
     from ds_ext.comm import kernels
-    from ds_ext.comm.compressors import TopK
+    from ds_ext.comm.compressors import TopK, TwoPhase, _SignCodec
+    if isinstance(compressor, TwoPhase) and isinstance(compressor.codec, _SignCodec):
+        if not _on_cpu() or compressor.codec.kernel == "torch":
+            return ", sign's encoding in torch ops" + ("" if _on_cpu() else " (the fused kernel is for CPU gradients)")
+        if compressor.codec.fused(torch.device("cpu")) is not None:
+            return ", sign's encoding in the fused C++ kernel on CPU"
+        error = kernels.build_error("sign_codec")
+        return ", sign's encoding in torch ops" + (f" (the fused kernel did not build: {error})" if error else "")
     if not isinstance(compressor, TopK) or compressor.selection != "sampled":
         return ""
     if not compressor.uses_kernel():

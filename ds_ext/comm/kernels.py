@@ -4,9 +4,11 @@ by default ~/.cache/torch_extensions, in a directory named after the source's ha
 so checkouts with different sources do not share a build).
 
 ``topk_select()``: the fused accumulate-and-select pass of sampled top-k on CPU
-(csrc/topk_select.cpp), multithreaded with OpenMP through at::parallel_for. None when
-it cannot be built (no C++ compiler, no ninja): the caller then uses torch ops, which
-give the same result in more passes over memory.
+(csrc/topk_select.cpp); ``sign_codec()``: sign's block encode (scales, packed bits, the
+residual in place) and decode-and-add (csrc/sign_codec.cpp). Both multithreaded with
+OpenMP through at::parallel_for. None when they cannot be built (no C++ compiler, no
+ninja): the caller then uses torch ops, which do the same work in more passes over
+memory.
 """
 
 import hashlib
@@ -21,17 +23,21 @@ def _source_name(path, stem):
         return f"{stem}_{hashlib.sha256(f.read()).hexdigest()[:12]}"
 
 
-def topk_select(*, required=False):
-    """The kernel module, or None when it cannot be built (``required``: raise instead)."""
-    if "topk_select" not in _built:
-        source = os.path.join(_CSRC, "topk_select.cpp")
+def _load(stem):
+    if stem not in _built:
+        source = os.path.join(_CSRC, f"{stem}.cpp")
         try:
             from torch.utils.cpp_extension import load
-            _built["topk_select"] = load(name=_source_name(source, "seekspeed_topk_select"), sources=[source],
-                                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                         verbose=False)
+            _built[stem] = load(name=_source_name(source, f"seekspeed_{stem}"), sources=[source],
+                                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:        # no compiler, headers or ninja: torch ops do the same work
-            _built["topk_select"] = exc
+            _built[stem] = exc
+    return _built[stem]
+
+
+def topk_select(*, required=False):
+    """The kernel module, or None when it cannot be built (``required``: raise instead)."""
+    _load("topk_select")
     error = build_error()
     if error is not None:
         if required:
@@ -41,9 +47,21 @@ def topk_select(*, required=False):
     return _built["topk_select"]
 
 
-def build_error():
-    """Why the top-k kernel did not build (one line), or None."""
-    module = _built.get("topk_select")
+def sign_codec(*, required=False):
+    """sign's codec module, or None when it cannot be built (``required``: raise instead)."""
+    _load("sign_codec")
+    error = build_error("sign_codec")
+    if error is not None:
+        if required:
+            raise RuntimeError(f"sign's kernel (ds_ext/comm/csrc/sign_codec.cpp) did not build: {error}; install a "
+                               f"C++ compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
+        return None
+    return _built["sign_codec"]
+
+
+def build_error(stem="topk_select"):
+    """Why a kernel did not build (one line), or None."""
+    module = _built.get(stem)
     if isinstance(module, Exception):
         text = str(module).strip()
         return text.splitlines()[0] if text else type(module).__name__

@@ -1,0 +1,100 @@
+// sign's block codec on CPU in one pass per direction (ds_ext/comm/compressors.py,
+// _SignCodec): a block's scale is its mean magnitude, each entry one bit (set: >= 0),
+// the first entry of a byte in its top bit. In torch ops the same work is a pass for
+// the scales, two for the packing, two for decoding and two for the residual.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <cmath>
+
+namespace {
+
+void check_fp32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+              "sign_codec: ", what, " must be a contiguous fp32 CPU tensor");
+}
+
+// x: [blocks * block_size]; writes scales [blocks] and codes [blocks * block_size / 8];
+// with `residual`, x becomes x - decode(scales, codes) (what the encoding held back).
+void encode(torch::Tensor x, torch::Tensor scales, torch::Tensor codes, int64_t block_size, bool residual) {
+  check_fp32(x, "x");
+  check_fp32(scales, "scales");
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+              "sign_codec: codes must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(block_size > 0 && block_size % 8 == 0, "sign_codec: block_size must be a multiple of 8");
+  const int64_t blocks = scales.numel();
+  TORCH_CHECK(x.numel() == blocks * block_size && codes.numel() == x.numel() / 8,
+              "sign_codec: x, scales and codes disagree in size");
+  float* xp = x.data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      float* v = xp + k * block_size;
+      double sum = 0.0;
+      for (int64_t i = 0; i < block_size; ++i) sum += std::fabs(v[i]);
+      const float s = static_cast<float>(sum / static_cast<double>(block_size));
+      sp[k] = s;
+      uint8_t* c = cp + k * (block_size / 8);
+      for (int64_t j = 0; j < block_size / 8; ++j) {
+        uint8_t byte = 0;
+        for (int bit = 0; bit < 8; ++bit) {
+          const float e = v[j * 8 + bit];
+          const bool up = e >= 0.0f;
+          byte |= static_cast<uint8_t>(up) << (7 - bit);
+          if (residual) v[j * 8 + bit] = e - (up ? s : -s);
+        }
+        c[j] = byte;
+      }
+    }
+  });
+}
+
+// out [blocks * block_size] = (accumulate: +=) factor x decode(scales, codes).
+void decode(torch::Tensor scales, torch::Tensor codes, torch::Tensor out, int64_t block_size, bool accumulate,
+            double factor) {
+  check_fp32(scales, "scales");
+  check_fp32(out, "out");
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+              "sign_codec: codes must be a contiguous uint8 CPU tensor");
+  const int64_t blocks = scales.numel();
+  TORCH_CHECK(out.numel() == blocks * block_size && codes.numel() == out.numel() / 8,
+              "sign_codec: out, scales and codes disagree in size");
+  const float* sp = scales.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const float f = static_cast<float>(factor);
+  // byte -> its 8 entries as +-1, so that each byte is 8 multiplies the compiler vectorises
+  static const auto table = [] {
+    std::array<std::array<float, 8>, 256> t{};
+    for (int v = 0; v < 256; ++v)
+      for (int bit = 0; bit < 8; ++bit) t[v][bit] = ((v >> (7 - bit)) & 1) ? 1.0f : -1.0f;
+    return t;
+  }();
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      const float s = sp[k] * f;
+      const uint8_t* c = cp + k * (block_size / 8);
+      float* o = op + k * block_size;
+      if (accumulate) {
+        for (int64_t j = 0; j < block_size / 8; ++j) {
+          const float* t = table[c[j]].data();
+          for (int bit = 0; bit < 8; ++bit) o[j * 8 + bit] += t[bit] * s;
+        }
+      } else {
+        for (int64_t j = 0; j < block_size / 8; ++j) {
+          const float* t = table[c[j]].data();
+          for (int bit = 0; bit < 8; ++bit) o[j * 8 + bit] = t[bit] * s;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("encode", &encode, "sign: block scales, packed signs and (optionally) the residual in place");
+  m.def("decode", &decode, "sign: decode (or decode and add) scaled signs");
+}
