@@ -488,17 +488,22 @@ class TwoPhase:
         mine = torch.cat([server_scales.view(torch.uint8), server_codes.view(-1)])
         out = [torch.empty_like(mine) for _ in range(world)]
         yield Collective("all_gather", mine, group, out=out)
-        decoded = self._buffer(st, "spare_decoded", world * seg, dev).view(world * blocks, b)
+        # every rank's segment decoded straight into the region; the one the region ends in
+        # (padded to whole blocks) through a scratch segment
+        tail = self._buffer(st, "spare_tail", seg, dev)
         for r, payload in enumerate(out):
-            finite &= self._decode_payload(payload, blocks, decoded[r * blocks:(r + 1) * blocks])
+            whole = (r + 1) * seg <= n
+            target = region[r * seg:(r + 1) * seg] if whole else tail
+            finite &= self._decode_payload(payload, blocks, target.view(blocks, b))
+            if not whole and r * seg < n:
+                region[r * seg:].copy_(tail[:n - r * seg])
         self.state[key] = st
-        st["spare_decoded"] = decoded.view(-1)
+        st["spare_tail"] = tail
         if not finite:
             if ef:
                 st["spare_worker"], st["spare_server"] = x, summed.view(-1)
             _poison(region)
             return              # the step is skipped: the residuals stay as they were
-        region.copy_(decoded.view(-1)[:n])
         if ef:
             spares = {"spare_worker": st.get("worker"), "spare_server": st.get("server")}
             st.update(worker=x, server=summed.view(-1))
