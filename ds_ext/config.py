@@ -249,8 +249,8 @@ class CommSection:
     selection: str = "sampled"      # "exact" (torch.topk) or "sampled" (DGC threshold from a sample)
     sample_ratio: float = 0.01
     momentum: float = 0.0           # DGC momentum correction (for SGD without momentum of its own)
-    kernel: str = "auto"            # sampled selection on CPU: "fused" (one C++ pass, built on first use),
-    #                                 "torch" (torch ops, same result), "auto" (fused when it builds)
+    kernel: str = "auto"            # top-k's sampled selection and sign's codec on CPU: "fused" (C++ passes,
+    #                                 built on first use), "torch" (torch ops), "auto" (fused when it builds)
     # powersgd
     rank: int = 4
     # int8, int4, sign: entries per scale; unset: the compressor's own (int4 64, the others 256)
