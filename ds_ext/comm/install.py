@@ -29,7 +29,6 @@ import functools
 import math
 
 import torch
-
 import torch.distributed as tdist
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
@@ -300,11 +299,6 @@ def install(engine, section, *, node_of=None, log=print):
     return reducer
 
 
-def _on_cpu():
-    from ds_ext.comm.compressors import _cpu_accelerator
-    return _cpu_accelerator()
-
-
 def _dense_note(patterns, named):
     """Which parameters go dense by name (on rank 0's stage), for the install log line."""
     if not patterns:
@@ -317,10 +311,11 @@ def _dense_note(patterns, named):
 def _kernel_note(compressor):
     """Which top-k selection or sign codec code runs, for the install log line."""
     from ds_ext.comm import kernels
-    from ds_ext.comm.compressors import TopK, TwoPhase, _SignCodec
+    from ds_ext.comm.compressors import TopK, TwoPhase, _SignCodec, _cpu_accelerator
     if isinstance(compressor, TwoPhase) and isinstance(compressor.codec, _SignCodec):
-        if not _on_cpu() or compressor.codec.kernel == "torch":
-            return ", sign's encoding in torch ops" + ("" if _on_cpu() else " (the fused kernel is for CPU gradients)")
+        on_cpu = _cpu_accelerator()
+        if not on_cpu or compressor.codec.kernel == "torch":
+            return ", sign's encoding in torch ops" + ("" if on_cpu else " (the fused kernel is for CPU gradients)")
         if compressor.codec.fused(torch.device("cpu")) is not None:
             return ", sign's encoding in the fused C++ kernel on CPU"
         error = kernels.build_error("sign_codec")

@@ -35,28 +35,27 @@ def _load(stem):
     return _built[stem]
 
 
-def topk_select(*, required=False):
-    """The kernel module, or None when it cannot be built (``required``: raise instead)."""
-    _load("topk_select")
-    error = build_error()
+def _module(stem, what, *, required):
+    """The built module of csrc/<stem>.cpp, or None when it cannot be built (``required``:
+    raise instead, naming ``what``)."""
+    _load(stem)
+    error = build_error(stem)
     if error is not None:
         if required:
-            raise RuntimeError(f"the fused top-k kernel (ds_ext/comm/csrc/topk_select.cpp) did not build: {error}; "
-                               f"install a C++ compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
+            raise RuntimeError(f"{what} (ds_ext/comm/csrc/{stem}.cpp) did not build: {error}; install a C++ "
+                               f"compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
         return None
-    return _built["topk_select"]
+    return _built[stem]
+
+
+def topk_select(*, required=False):
+    """The top-k kernel module, or None when it cannot be built (``required``: raise instead)."""
+    return _module("topk_select", "the fused top-k kernel", required=required)
 
 
 def sign_codec(*, required=False):
     """sign's codec module, or None when it cannot be built (``required``: raise instead)."""
-    _load("sign_codec")
-    error = build_error("sign_codec")
-    if error is not None:
-        if required:
-            raise RuntimeError(f"sign's kernel (ds_ext/comm/csrc/sign_codec.cpp) did not build: {error}; install a "
-                               f"C++ compiler and ninja, or set seekspeed.comm.kernel to \"torch\"")
-        return None
-    return _built["sign_codec"]
+    return _module("sign_codec", "sign's kernel", required=required)
 
 
 def build_error(stem="topk_select"):

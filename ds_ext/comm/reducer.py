@@ -71,9 +71,7 @@ def _wire_bytes(req, world):
         return 2 * (world - 1) / world * size
     if req.kind == "all_gather":
         return (world - 1) * size
-    if req.kind == "all_to_all":
-        return (world - 1) / world * size
-    return (world - 1) / world * size     # broadcast: each rank forwards about its share
+    return (world - 1) / world * size     # all-to-all, broadcast: each rank sends (or forwards) all but its share
 
 
 class GradientReducer:
@@ -136,20 +134,20 @@ class GradientReducer:
         small = [g for g in grads if id(g) not in chosen]
         tasks, buffers = [], []
         scale = 1.0 / divide_by
-        momentum = self.section.target == "momentum"
-        if momentum and self.momentum_step:     # the ranks' momenta, averaged below
+        sending = self.momentum_step
+        if sending:     # the ranks' momenta, averaged below
             world = tdist.get_world_size(group)
             local, scale = (1.0 - self.beta1) * world * scale, 1.0 / world
         if small:
             buf = self._flat((key, "dense"), small)
-            if momentum and self.momentum_step:
+            if sending:
                 self._local_momentum((key, "dense"), buf, local)
             buffers.append((small, buf, (key, "dense")))
             tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group, scale))
             self.stats.dense_numel += buf.numel()
         if big:
             buf = self._flat((key, "compressed"), big)
-            if momentum and self.momentum_step:
+            if sending:
                 self._local_momentum((key, "compressed"), buf, local)
             buffers.append((big, buf, (key, "compressed")))
             if comp is self.dense:
@@ -160,7 +158,7 @@ class GradientReducer:
             for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
                 tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
         self._drive(tasks)
-        if momentum:
+        if self.section.target == "momentum":
             self._update_momentum(buffers)
         for tensors, buf, _ in buffers:
             offset = 0
