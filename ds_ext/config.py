@@ -217,6 +217,9 @@ class TopologySection:
     probe_mbytes: int = 4
     # a rank's sustained compute (TFLOP/s), to tell when a pipeline link is slower than the compute it feeds
     compute_tflops: float = 400.0
+    # a rank's memory bandwidth (GB/s): the memory-bound passes in the per-layer costs that
+    # pipeline.partition "balanced" cuts by (ds_ext/profile/plan.py)
+    memory_gbps: float = 3350.0
 
     def check(self, where):
         from ds_ext.topology.placement import PLACEMENTS
@@ -227,7 +230,7 @@ class TopologySection:
             raise ConfigError(f"{where}.bandwidth {self.bandwidth!r} is not one of {list(sources)}")
         if self.bandwidth == "hostfile" and not self.hostfile:
             raise ConfigError(f"{where}.bandwidth is \"hostfile\" but {where}.hostfile is not set")
-        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
+        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops", "memory_gbps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
         if self.probe_mbytes < 1:

@@ -93,7 +93,8 @@ def validate(args, *, world_size):
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide n_routed_experts "
                           f"{model_config.n_routed_experts}: choose a divisor of {model_config.n_routed_experts}")
     s.overlap = s.resolve_overlap(has_moe=model_config.num_moe_layers() > 0)
-    check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0))
+    check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0), model_config)
+    partition_for(cfg, recipe, model_config)
     from .topology.setup import check as check_topology
     check_topology(s.topology, model_config=model_config)
     if model_config.max_position_embeddings < s.data.seq_len:
@@ -138,14 +139,26 @@ def validate(args, *, world_size):
     return cfg, recipe, model_config, tokenizer
 
 
-def check_partition(method, specs):
-    """DeepSpeed's partition methods, checked before any rank builds a layer."""
+def check_partition(method, specs, model_config=None):
+    """DeepSpeed's partition methods and "balanced", checked before any rank builds a
+    layer; "balanced" needs the planner to cost every layer class."""
     import re
     if method in ("uniform", "parameters"):
         return
+    if method == "balanced":
+        from .profile.plan import _spec_kind
+        for spec in specs:
+            try:
+                _spec_kind(spec, model_config)
+            except ValueError:
+                raise ConfigError(f"pipeline.partition 'balanced' cuts layers by the planner's cost, and the planner "
+                                  f"cannot cost layer class {spec.typename.__name__}: add it to _spec_kind in "
+                                  f"ds_ext/profile/plan.py, or use 'type:REGEX' / 'parameters'") from None
+        return
     if not method.startswith("type:"):
         raise ConfigError(f"pipeline.partition {method!r} is not a DeepSpeed partition method: use 'best' "
-                          f"(the recipe's default), 'uniform', 'parameters' or 'type:REGEX'")
+                          f"(the recipe's default), 'uniform', 'parameters', 'type:REGEX' or 'balanced' (cut from "
+                          f"the planner's per-layer costs)")
     try:
         pattern = re.compile(method[len("type:"):], re.IGNORECASE)
     except re.error as exc:
@@ -158,6 +171,27 @@ def check_partition(method, specs):
 def _partition_method(ds, recipe):
     method = ds.get("pipeline", {}).get("partition", "best")
     return recipe.DEFAULT_PARTITION if method == "best" else method
+
+
+def partition_for(cfg, recipe, model_config):
+    """What the layers are cut by: a DeepSpeed partition method, or for "balanced" the
+    boundaries ds_ext.profile.plan cuts from its per-layer costs on this run's layout
+    (nodes of LOCAL_WORLD_SIZE ranks; ds_ext.profile.plan.cut_hardware's figures),
+    computed once per run and the same on every rank."""
+    method = _partition_method(cfg.ds, recipe)
+    if method != "balanced":
+        return method
+    cached = getattr(cfg, "_balanced_bounds", None)
+    if cached is None:
+        from .profile.plan import cut_hardware, make_plan
+        world = cfg.layout.world_size
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if per_node < 1 or world % per_node:
+            per_node = world
+        cached = make_plan(cfg, nodes=world // per_node, ranks_per_node=per_node,
+                           hardware=cut_hardware(cfg.section.topology)).bounds
+        cfg._balanced_bounds = cached
+    return list(cached)
 
 
 # What a checkpoint must agree on for --resume to continue the same sample order. With
@@ -183,7 +217,7 @@ def _layout_record(cfg, recipe, model_config, engine=None):
     s, lay = cfg.section, cfg.layout
     specs = recipe.layer_specs(model_config, seed=0)
     bounds = partition(specs, num_parts=virtual_stages(s.schedule, lay.pipe_stages),
-                       method=_partition_method(cfg.ds, recipe))
+                       method=partition_for(cfg, recipe, model_config))
 
     def key(i):
         tied = getattr(specs[i], "key", None)
@@ -474,13 +508,13 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
     from recipes.layers.pipe import stage_parameter_counts
     stage_params = max(r["params"] for r in stage_parameter_counts(
         recipe.layer_specs(model_config, seed=0), stages=layout.pipe_stages, schedule=s.schedule,
-        partition_method=_partition_method(cfg.ds, recipe)))
+        partition_method=partition_for(cfg, recipe, model_config)))
     topo = plan(s.topology, layout=layout, model_config=model_config, ds=cfg.ds, stage_params=stage_params,
                 ep=s.moe.expert_parallel_size, log=(lambda msg: print(msg, flush=True)) if rank == 0 else (lambda m: None))
     model = recipe.build_pipeline(model_config, topology=deepspeed_topology(topo.placement, pp=layout.pipe_stages,
                                                                             dp=layout.data_parallel),
                                   schedule=s.schedule,
-                                  partition_method=_partition_method(cfg.ds, recipe),
+                                  partition_method=partition_for(cfg, recipe, model_config),
                                   activation_checkpoint_interval=cfg.ds.get("pipeline", {}).get(
                                       "activation_checkpoint_interval", 0),
                                   seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight,

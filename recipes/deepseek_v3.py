@@ -204,8 +204,12 @@ def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", p
     Only the layers of this rank's stage(s) are built. Call after
     ``deepspeed.init_distributed()``. With ``document_token`` (the tokenizer's
     end-of-document id) attention does not cross the documents packed into a row.
+    ``partition_method`` may be a cut already made (boundaries, as "balanced" resolves to).
     """
     from ds_ext.pipe import pipeline_module_class
+    bounds = None
+    if not isinstance(partition_method, str):
+        bounds, partition_method = [int(b) for b in partition_method], "balanced"
     stages = num_stages if num_stages is not None else topology.get_dim("pipe")
     check_stages(config, stages=stages, schedule=schedule)
     module_cls = pipeline_module_class(schedule)
@@ -215,7 +219,7 @@ def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", p
     return module_cls(layers=specs, num_stages=num_stages, topology=topology,
                       loss_fn=CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0), partition_method=partition_method,
                       activation_checkpoint_interval=activation_checkpoint_interval,
-                      checkpointable_layers=["DecoderLayerPipe", "MTPLayerPipe"])
+                      checkpointable_layers=["DecoderLayerPipe", "MTPLayerPipe"], partition_bounds=bounds)
 
 
 def expert_parallel_rank(*, stages, ep_size):

@@ -98,7 +98,12 @@ def _fast_links():
 def test_step_time_is_1f1b_by_hand(tmp_path):
     """Two stages, m micro-batches, no transfer time: the last stage (it holds the
     head) is the bottleneck, so 1F1B takes F0 + m (F1 + B1) + B0, with F from 2 FLOPs
-    per activated parameter and token plus causal attention, and B = 2F."""
+    per activated parameter and token plus causal attention, and B = 2F, plus the
+    memory-bound passes at HBM bandwidth: each decoder layer's kept activations
+    (written by the forward; read, and gradients written, by the backward: in B = 2F),
+    the embedding's rows (forward) and their fp32 gradients
+    (backward), the head's logits written and read by the fp32 log-softmax (forward)
+    and their fp32 gradient (backward)."""
     from recipes import deepseek_v3
     from recipes.layers.pipe import activated_parameters, stage_parameter_counts
     m = 8
@@ -108,13 +113,19 @@ def test_step_time_is_1f1b_by_hand(tmp_path):
     specs = deepseek_v3.layer_specs(config, seed=0)
     tokens, seq = 4 * 128, 128
     qk_v = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
-    F = []
+    F, hbm = [], _fast_links().hbm_gbps * 1e9
     for row in stage_parameter_counts(specs, stages=2, schedule="1f1b", partition_method="type:DecoderLayerPipe"):
         (start, stop), = row["layer_ranges"]
         layers = sum(1 for spec in specs[start:stop] if spec.typename.__name__ == "DecoderLayerPipe")
         flops = tokens * (2 * activated_parameters(specs[start:stop]) + layers * config.num_attention_heads * seq * qk_v)
-        F.append(flops / 100e12)
+        kept = layers * tokens * layer_activation_bytes(config, "dense", seq_len=seq, act_bytes=4)
+        F.append(flops / 100e12 + kept / hbm)
     B = [2 * f for f in F]
+    h, logits = config.hidden_size, tokens * config.vocab_size      # fp32: 4-byte activations
+    F[0] += tokens * h * 4 / hbm
+    B[0] += tokens * h * 4 / hbm
+    F[1] += logits * (2 * 4 + 4) / hbm
+    B[1] += logits * (4 + 4) / hbm
     assert F[1] + B[1] > F[0] + B[0]
     assert plan.chunk_costs["F"] == pytest.approx(F) and plan.chunk_costs["B"] == pytest.approx(B)
     assert plan.makespan == pytest.approx(F[0] + m * (F[1] + B[1]) + B[0])
@@ -356,3 +367,76 @@ def test_comm_state_in_report_json_and_fit_check(tmp_path, capsys):
     tight = stage["total"] - stage["comm_state"] / 2
     assert main(["--deepspeed", path, "--nodes", "1", "--gpus-per-node", "2", "--memory-gb", str(tight / 1e9)]) == 2
     assert "comm state" in capsys.readouterr().err
+
+
+def _max_load(bounds, costs, schedule, stages):
+    from ds_ext.pipe import rank_chunks
+    chunk = [sum(costs[bounds[p]:bounds[p + 1]]) for p in range(len(bounds) - 1)]
+    return max(sum(chunk[p] for p in set(rank_chunks(schedule, rank=r, stages=stages))) for r in range(stages))
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b", 4), ("dualpipev", 2), ("dualpipev-zb", 3), ("dualpipe", 4)])
+def test_balanced_cut_is_the_best_cut(schedule, stages):
+    """balanced_cut's busiest rank equals the best over every cut (enumerated), for
+    costs with a cheap embedding, a heavy head and uneven layers."""
+    import itertools
+    import random
+    from ds_ext.pipe import virtual_stages
+    from recipes.layers.pipe import balanced_cut
+    rng = random.Random(stages)
+    parts = virtual_stages(schedule, stages)
+    for _ in range(40):
+        n = rng.randint(parts, 11)
+        costs = [rng.choice([0.01, 0.3, 1.0, 1.0, 1.05, 2.5]) for _ in range(n)]
+        bounds = balanced_cut(costs, schedule=schedule, stages=stages)
+        assert bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in zip(bounds, bounds[1:])), bounds
+        best = min(_max_load([0, *cut, n], costs, schedule, stages)
+                   for cut in itertools.combinations(range(1, n), parts - 1))
+        assert _max_load(bounds, costs, schedule, stages) == pytest.approx(best, rel=1e-12), (costs, bounds)
+
+
+def _built_bounds(cfg_path, schedule):
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+    from ds_ext.config import load_config
+    from ds_ext.trainer import partition_for
+    from recipes import deepseek_v3
+    cfg = load_config(cfg_path, world_size=2)
+    config = deepseek_v3.make_config("tiny", cfg.section.recipe.overrides)
+    model = deepseek_v3.build_pipeline(config, topology=ProcessTopology(axes=["pipe", "data"], dims=[2, 1]),
+                                       schedule=schedule, partition_method=partition_for(cfg, deepseek_v3, config))
+    return list(model.parts), [list(b) for b in getattr(model, "phase_bounds", [(model._local_start,
+                                                                                  model._local_stop)])]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev", "dualpipe"])
+def test_balanced_partition_builds_the_planned_cut(tmp_path, schedule):
+    """pipeline.partition "balanced" on a head-heavy tiny model: DeepSpeed's module is
+    cut where the planner cut it, the busiest rank is less busy than with the recipe's
+    default cut, and every rank holds the chunks the schedule gives it."""
+    from ds_ext.pipe import rank_chunks
+    overrides = {"vocab_size": 16384, "num_hidden_layers": 8, "first_k_dense_replace": 8}
+    changes = {"seekspeed.schedule": schedule, "seekspeed.recipe.overrides": overrides,
+               "gradient_accumulation_steps": 8}
+    balanced = _config(tmp_path, "tiny_cpu.json", **changes, **{"pipeline.partition": "balanced"})
+    plan = make_plan(balanced, nodes=1, ranks_per_node=2)
+    (tmp_path / "default").mkdir()
+    default = make_plan(_config(tmp_path / "default", "tiny_cpu.json", **changes), nodes=1, ranks_per_node=2)
+    assert plan.partition == "balanced"
+    if schedule != "dualpipe":      # on 2 ranks each dualpipe rank holds both parts: every cut is balanced
+        assert plan.bounds != default.bounds
+        assert max(st.busy for st in plan.stages) < max(st.busy for st in default.stages)
+    built = run_ranks(_built_bounds, world_size=2, args=(balanced, schedule), timeout=120)
+    for rank, (parts, phases) in enumerate(built):
+        assert parts == plan.bounds
+        assert phases == [[plan.bounds[p], plan.bounds[p + 1]] for p in rank_chunks(schedule, rank=rank, stages=2)]
+
+
+def test_balanced_partition_names_a_layer_the_planner_cannot_cost():
+    from deepspeed.pipe import LayerSpec
+    from ds_ext.errors import ConfigError
+    from ds_ext.trainer import check_partition
+    from recipes import deepseek_v3
+    config = deepseek_v3.make_config("tiny")
+    specs = deepseek_v3.layer_specs(config, seed=0) + [LayerSpec(torch.nn.Identity)]
+    with pytest.raises(ConfigError, match="cannot cost layer class Identity"):
+        check_partition("balanced", specs, config)

@@ -30,6 +30,11 @@ def pipeline_module_class(schedule):
 
         class _ReportsLossParts:
 
+            def __init__(self, *args, partition_bounds=None, **kwargs):
+                # read by _PresetCut while PipelineModule.__init__ partitions
+                object.__setattr__(self, "_preset_bounds", partition_bounds)
+                super().__init__(*args, **kwargs)
+
             def get_additional_losses(self):
                 parts = getattr(self.loss_fn, "additional_losses", None)
                 return parts() if parts is not None else None
@@ -66,13 +71,34 @@ def pipeline_module_class(schedule):
                 set_(self, "_local_start", start)
                 set_(self, "_local_stop", stop)
 
-        _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, PipelineModule), {})
+        class _PresetCut(PipelineModule):
+            """``partition_method="balanced"``: the boundaries ``partition_bounds`` (cut by
+            ds_ext.profile.plan from the planner's per-layer costs) become DeepSpeed's
+            ``parts``; every other method is DeepSpeed's. Sits right above PipelineModule,
+            so DualPipeVModule's doubling of the stages and its phase bounds still apply."""
+
+            def _partition_layers(self, method="uniform"):
+                if method.lower() != "balanced":
+                    return super()._partition_layers(method)
+                bounds = self._preset_bounds
+                if bounds is None or len(bounds) != self.num_stages + 1 or bounds[-1] != len(self._layer_specs):
+                    raise ValueError(f"partition 'balanced' needs partition_bounds: {self.num_stages + 1} boundaries "
+                                     f"of {len(self._layer_specs)} layers, got {bounds}")
+                self.parts = [int(b) for b in bounds]
+                if self.global_rank == 0:
+                    print("balanced partition (planner costs): "
+                          + ", ".join(f"stage {p}: layers [{self.parts[p]},{self.parts[p + 1]})"
+                                      for p in range(self.num_stages)), flush=True)
+                stage_id = self._topo.get_coord(self.global_rank).pipe
+                self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+        _CLASSES["1f1b"] = type("SeekspeedPipelineModule", (_ReportsLossParts, _PresetCut), {})
         _CLASSES["dualpipev"] = type("SeekspeedDualPipeVModule", (_ReportsLossParts, _FastPhaseSwitch,
-                                                                  DualPipeVModule), {})
+                                                                  DualPipeVModule, _PresetCut), {})
         _CLASSES["dualpipev-zb"] = _CLASSES["dualpipev"]
         from .dualpipe import DualPipeModule
-        _CLASSES["dualpipe"] = type("SeekspeedDualPipeModule", (_ReportsLossParts, _FastPhaseSwitch, DualPipeModule),
-                                    {})
+        _CLASSES["dualpipe"] = type("SeekspeedDualPipeModule", (_ReportsLossParts, _FastPhaseSwitch, DualPipeModule,
+                                                                _PresetCut), {})
     return _CLASSES[check_schedule(schedule)]
 
 

@@ -79,7 +79,8 @@ class DualPipeModule(DualPipeVModule):
     every stage are reconciled by summing gradients across rank pairs."""
 
     def _partition_layers(self, method="uniform"):
-        PipelineModule._partition_layers(self, method)
+        # the cut itself is PipelineModule's (or the preset balanced cut), not DualPipeV's doubled one
+        super(DualPipeVModule, self)._partition_layers(method)
         r, stages = self.stage_id, self.num_stages
         if stages % 2:
             raise ValueError(f"DualPipe needs an even number of pipeline stages, got {stages}")

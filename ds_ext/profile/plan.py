@@ -91,6 +91,7 @@ class StageMemory:
     # what the compressed reduction keeps between steps (seekspeed.comm; ds_ext.comm.traffic.state_bytes)
     comm_state: float = 0.0
     comm_state_parts: dict = field(default_factory=dict)
+    busy: float = 0.0          # seconds a step this rank computes (the simulator's ops; idle and waits excluded)
 
     @property
     def total(self):
@@ -138,6 +139,9 @@ class Plan:
     zero_stage: int
     comm_target: str = "gradient"
     warmup_steps: int = 0      # dense optimizer steps before the compressed ones (the dense columns)
+    partition: str = ""        # pipeline.partition as configured ("balanced": cut from layer_seconds)
+    bounds: list = field(default_factory=list)          # the layer cut into virtual stages
+    layer_seconds: list = field(default_factory=list)   # per layer spec: F + B + W seconds per micro-batch
     notes: list = field(default_factory=list)
     # per rank: {True: routed-expert, False: other} (rows, cols) of the 2-D+ tensors (not in to_json)
     matrices: list = field(default_factory=list, repr=False)
@@ -266,21 +270,33 @@ def gradient_bytes(ds):
     return 2
 
 
-def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
-    """The plan for ``config_path`` on ``nodes`` x ``ranks_per_node`` GPUs.
-    ``checkpoint_interval`` overrides the config's pipeline.activation_checkpoint_interval."""
+def cut_hardware(topology):
+    """The figures ``pipeline.partition: "balanced"`` costs layers with, in the run and
+    in every plan of it: seekspeed.topology's compute_tflops (sustained, so efficiency
+    1), memory_gbps and link speeds; the rest Hardware's defaults."""
+    return Hardware(peak_tflops=topology.compute_tflops, efficiency=1.0, hbm_gbps=topology.memory_gbps,
+                    intra_gbps=topology.intra_node_gbps, inter_gbps=topology.inter_node_gbps)
+
+
+def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
+    """The plan for ``config`` (a path, or a RunConfig loaded for this world size) on
+    ``nodes`` x ``ranks_per_node`` GPUs. ``checkpoint_interval`` overrides the config's
+    pipeline.activation_checkpoint_interval. With ``pipeline.partition: "balanced"`` the
+    layers are cut from the per-layer costs below (``balanced_cut``), and the plan is
+    made for that cut."""
     from ds_ext.comm.traffic import chunk_numel, payload_bytes, state_bytes
-    from ds_ext.config import fp32_grad_accumulation, load_config, mixed_precision
+    from ds_ext.config import RunConfig, fp32_grad_accumulation, load_config, mixed_precision
     from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES, rank_chunks, virtual_stages
     from ds_ext.pipe.simulate import simulate
     from ds_ext.topology.placement import choose, rank_of
     from ds_ext.topology.setup import estimate_traffic
     from ds_ext.trainer import _partition_method
     from recipes import get_recipe
-    from recipes.layers.pipe import held_once, partition, rank_layers
+    from recipes.layers.pipe import balanced_cut, held_once, partition, rank_layers
 
     hw = hardware or Hardware()
-    cfg = load_config(config_path, world_size=nodes * ranks_per_node)
+    cfg = config if isinstance(config, RunConfig) else load_config(config, world_size=nodes * ranks_per_node)
+    config_path = cfg.path
     s, lay, ds = cfg.section, cfg.layout, cfg.ds
     recipe = get_recipe(s.recipe.name)
     mc = recipe.make_config(s.recipe.preset, s.recipe.overrides)
@@ -306,7 +322,11 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     for row, whole in zip(figures, full):
         row["active"] = whole["active"]
     parts = virtual_stages(s.schedule, pp)
-    bounds = [int(b) for b in partition(specs, num_parts=parts, method=_partition_method(ds, recipe))]
+    method = ds.get("pipeline", {}).get("partition", "best")
+    balanced = method == "balanced"
+    # balanced: placement and link classes from the recipe's default cut, then the cut from the costs
+    bounds = [int(b) for b in partition(specs, num_parts=parts, method=recipe.DEFAULT_PARTITION if balanced
+                                        else _partition_method(ds, recipe))]
     chunks = [figures[bounds[p]:bounds[p + 1]] for p in range(parts)]
 
     def full_bytes(r):
@@ -351,41 +371,73 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
     recompute_passes = 1 if interval > 0 else 0
     overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0)
     shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.flops
-    F, B, W, compute_f, compute_b, a2a_f, a2a_b, exposed_f, exposed_b = ([] for _ in range(9))
-    for rows in chunks:
-        attention = sum(attention_flops(mc, seq_len=lay.seq_len) / 2 for r in rows if r["kind"] in CHECKPOINTABLE)
-        weights = 2 * tokens * sum(r["active"] for r in rows)
-        forward = (weights + 2 * tokens * attention) / hw.flops
-        moe_layers = sum(1 for r in rows if r["kind"].endswith("moe"))
-        cost = _a2a_costs(moe_layers=moe_layers, dispatch=a2a_layer / 2 / a2a_bw, shared_forward=shared_forward,
-                          recompute_passes=recompute_passes)
-        compute_f.append(forward)
-        compute_b.append((2 + recompute_passes) * forward)
-        a2a_f.append(cost["forward"])
-        a2a_b.append(cost["backward"])
-        exposed_f.append(cost["forward_exposed"])
-        exposed_b.append(cost["backward_exposed"])
-        F.append(forward + cost["forward_exposed"])
-        B.append(compute_b[-1] + cost["backward_exposed"])
-        W.append(weights / hw.flops)
-
-    def fb_cost(sf, sb):
-        """An F&B chunk: interleaved (overlap "layer"), each half's all-to-alls run while
-        the other half computes, when both halves have some; counted from the chunk's
-        totals, not layer by layer."""
-        if overlap != "layer" or not (a2a_f[sf] and a2a_b[sb]):
-            return F[sf] + B[sb]
-        return (compute_f[sf] + compute_b[sb] + max(0.0, exposed_f[sf] - compute_b[sb])
-                + max(0.0, exposed_b[sb] - compute_f[sf]))
-
     zb = s.schedule in ZERO_BUBBLE_SCHEDULES
-    if not zb:
-        W = 0.0
+    logits = tokens * mc.vocab_size
+
+    def layer_cost(row):
+        """Seconds per micro-batch of one layer: compute at hw.flops (2 FLOPs per
+        activated parameter and token, causal attention's S^2 terms), the memory-bound
+        passes at hw.hbm_gbps: the activations autograd keeps (the elementwise work:
+        norms, RoPE, SwiGLU, softmax) written by the forward, read and their gradients
+        written by the backward, the embedding's rows gathered and their fp32 gradients
+        scattered, the head's logits written and read by the fp32 log-softmax and their
+        fp32 gradient; and the expert all-to-all no compute covers (_a2a_costs)."""
+        attention = attention_flops(mc, seq_len=lay.seq_len) / 2 if row["kind"] in CHECKPOINTABLE else 0.0
+        weights = 2 * tokens * row["active"]
+        kept = full_bytes(row) if row["kind"] in CHECKPOINTABLE else 0.0
+        forward = (weights + 2 * tokens * attention) / hw.flops + kept / (hw.hbm_gbps * GB)
+        backward = (2 + recompute_passes) * forward
+        if row["kind"] == "embed":
+            forward += tokens * h * a / (hw.hbm_gbps * GB)
+            backward += tokens * h * 4 / (hw.hbm_gbps * GB)
+        elif row["kind"] == "head":
+            forward += logits * (2 * a + 4) / (hw.hbm_gbps * GB)
+            backward += logits * (4 + a) / (hw.hbm_gbps * GB)
+        cost = _a2a_costs(moe_layers=1 if row["kind"].endswith("moe") else 0, dispatch=a2a_layer / 2 / a2a_bw,
+                          shared_forward=shared_forward, recompute_passes=recompute_passes)
+        return {"compute_f": forward, "compute_b": backward, "a2a_f": cost["forward"], "a2a_b": cost["backward"],
+                "exposed_f": cost["forward_exposed"], "exposed_b": cost["backward_exposed"],
+                "W": weights / hw.flops if zb else 0.0}
+
+    costs = [layer_cost(row) for row in figures]
+    for row, c in zip(figures, costs):
+        row["seconds"] = c["compute_f"] + c["exposed_f"] + c["compute_b"] + c["exposed_b"] + c["W"]
     p2p_bytes = tokens * h * a * (2 if mc.num_mtp_layers else 1)
     pipe_cross = any(node(st, 0) != node(st + 1, 0) for st in range(pp - 1))
     p2p = p2p_bytes / ((hw.inter_gbps if pipe_cross else hw.intra_gbps) * GB) + hw.latency_us * 1e-6
-    sim = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, FB=fb_cost, comm=p2p)
-    no_p2p = simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=F, B=B, W=W, FB=fb_cost, comm=0.0)
+
+    def pipeline(cut, comm=p2p):
+        """The per-chunk costs of the cut at ``cut`` and the simulated step."""
+        sums = {key: [sum(costs[i][key] for i in range(cut[p], cut[p + 1])) for p in range(parts)]
+                for key in ("compute_f", "compute_b", "a2a_f", "a2a_b", "exposed_f", "exposed_b", "W")}
+        sums["F"] = [sums["compute_f"][p] + sums["exposed_f"][p] for p in range(parts)]
+        sums["B"] = [sums["compute_b"][p] + sums["exposed_b"][p] for p in range(parts)]
+
+        def fb_cost(sf, sb):
+            """An F&B chunk: interleaved (overlap "layer"), each half's all-to-alls run
+            while the other half computes, when both halves have some; counted from the
+            chunk's totals, not layer by layer."""
+            if overlap != "layer" or not (sums["a2a_f"][sf] and sums["a2a_b"][sb]):
+                return sums["F"][sf] + sums["B"][sb]
+            return (sums["compute_f"][sf] + sums["compute_b"][sb] + max(0.0, sums["exposed_f"][sf] - sums["compute_b"][sb])
+                    + max(0.0, sums["exposed_b"][sb] - sums["compute_f"][sf]))
+        sums["FB"] = fb_cost
+        return sums, simulate(s.schedule, ranks=pp, micro_batches=lay.grad_accum, F=sums["F"], B=sums["B"],
+                              W=sums["W"] if zb else 0.0, FB=fb_cost, comm=comm)
+
+    if balanced:
+        # the cut with the least compute on the busiest rank (recipes.layers.pipe.balanced_cut),
+        # costed on the figures the run cuts by (cut_hardware), whatever this plan's hardware
+        cut_hw = cut_hardware(s.topology)
+        bounds = (balanced_cut([row["seconds"] for row in figures], schedule=s.schedule, stages=pp) if hw == cut_hw
+                  else make_plan(cfg, nodes=nodes, ranks_per_node=ranks_per_node, hardware=cut_hw,
+                                 checkpoint_interval=checkpoint_interval).bounds)
+        chunks = [figures[bounds[p]:bounds[p + 1]] for p in range(parts)]
+    sums, sim = pipeline(bounds)
+    no_p2p = pipeline(bounds, comm=0.0)[1]
+    compute_f, compute_b, a2a_f, a2a_b, exposed_f, exposed_b = (
+        sums[k] for k in ("compute_f", "compute_b", "a2a_f", "a2a_b", "exposed_f", "exposed_b"))
+    F, B, W, fb_cost = sums["F"], sums["B"], (sums["W"] if zb else 0.0), sums["FB"]
 
     # Memory per pipeline rank.
     kept = [chunk_activations(rows) for rows in chunks]
@@ -499,6 +551,8 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                          f"rank {heavy.rank} "
                          + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in heavy.comm_state_parts.items()))
     busy = sim.busy
+    for st, b in zip(stages, busy):
+        st.busy = b
     if max(busy) > 1.15 * min(busy):
         notes.append("stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank")
     return Plan(config=config_path, schedule=s.schedule, nodes=nodes, ranks_per_node=ranks_per_node,
@@ -510,7 +564,8 @@ def make_plan(config_path, *, nodes, ranks_per_node, hardware=None, checkpoint_i
                 tokens_per_step=lay.tokens_per_step, fits=all(st.total <= hw.memory_gb * GB for st in stages),
                 total_params=unique, zero_stage=zero, comm_target=comm.target,
                 warmup_steps=comm.warmup_steps if comm.compressor != "none" else 0, notes=notes,
-                matrices=stage_matrices)
+                matrices=stage_matrices, partition=method, bounds=bounds,
+                layer_seconds=[row["seconds"] for row in figures])
 
 
 def _a2a_costs(*, moe_layers, dispatch, shared_forward, recompute_passes):
