@@ -156,6 +156,7 @@ with open(f"probe-{os.environ['RANK']}.json", "w") as f:
 """
 
 
+@pytest.mark.e2e
 def test_real_launcher_with_include(tmp_path):
     """`deepspeed --hostfile hosts --include worker-1:1,3` (no ssh: this node is node 0):
     the rank reads the launcher's choice from its parent and the matrix is built."""

@@ -46,7 +46,7 @@ def configured_resources(section, *, where="seekspeed.topology"):
 
 def _filters(section, where):
     given = [f"{where}.{k} {getattr(section, k)!r}" for k in hf.CLI_NAMES if getattr(section, k) is not None]
-    return ", ".join(given) if given else "no filter"
+    return ", ".join(given) if given else "no include/exclude/num_nodes/num_gpus"
 
 
 def hostfile_nodes(section, *, world_size, world_info=None, env=None, where="seekspeed.topology"):
@@ -64,7 +64,7 @@ def hostfile_nodes(section, *, world_size, world_info=None, env=None, where="see
         if unknown:
             raise ConfigError(f"DeepSpeed's launcher started ranks on {', '.join(unknown)}, which {where}.hostfile "
                               f"{path} does not list: point {where}.hostfile at the file given to deepspeed --hostfile")
-        if _filters(section, where) != "no filter" and configured != launched:
+        if any(getattr(section, k) is not None for k in hf.CLI_NAMES) and configured != launched:
             raise ConfigError(f"{path} with {_filters(section, where)} gives {hf.describe(configured)}, but "
                               f"DeepSpeed's launcher started {hf.describe(launched)}: remove those keys (the launcher's "
                               f"choice is read from its --world_info) or make them match its flags")
@@ -76,7 +76,7 @@ def hostfile_nodes(section, *, world_size, world_info=None, env=None, where="see
            f"num_nodes/num_gpus, or set {where}.bandwidth to \"launcher\"")
     if sum(nodes) != world_size:
         raise ConfigError(f"{path} ({how}) gives {hf.describe(active)}, but the launcher started {world_size} "
-                          f"ranks: {fix}")
+                          f"rank{'s' if world_size != 1 else ''}: {fix}")
     if env.get("CROSS_SIZE") and int(env["CROSS_SIZE"]) != len(nodes):
         raise ConfigError(f"{path} ({how}) gives {hf.describe(active)}, but the launcher started "
                           f"{env['CROSS_SIZE']} nodes (CROSS_SIZE): {fix}")
