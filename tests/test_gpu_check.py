@@ -37,6 +37,8 @@ def test_run_configs_pass_validation_and_the_planner(tmp_path):
     (stage,) = plan.stages
     figures = gpu_check.planner_figures(path, measured=2 * stage.total)
     assert figures["planned"]["total"] == stage.total and figures["measured_over_planned"] == 2.0
+    assert f"planned {stage.total / 1e9:.2f} GB" in gpu_check.describe("planner", figures)
+    assert "2.000x" in gpu_check.describe("planner", figures)
 
 
 def test_table_shows_figures_failures_and_the_pinned_note():
@@ -44,7 +46,7 @@ def test_table_shows_figures_failures_and_the_pinned_note():
                   "deepspeed_blocking_s": 1.0, "deepspeed_over_async": 10.0, "snapshot_buffer_bytes": 0,
                   "pinned_fraction": 0.0, "state_bytes": 1.07e9}
     results = {"tiny": {"status": "failed", "error": "exit 1: torch.OutOfMemoryError: CUDA out of memory"},
-               "v2-lite": {"status": "timeout", "error": "stopped after its 160 s limit"},
+               "v2-lite": {"status": "timeout", "error": f"stopped after its {gpu_check.LIMITS['v2-lite']} s limit"},
                "checkpoint": {"status": "ok", "figures": checkpoint}}
     text = gpu_check.table("gpu_check: a GPU", results)
     rows = {line.split("  ")[0]: line for line in text.splitlines()[3:]}
