@@ -212,6 +212,12 @@ class TopologySection:
     # speeds below), "hostfile", "nvidia-smi" (topo -m inside each node), "probe" (measured)
     bandwidth: str = "launcher"
     hostfile: str | None = None
+    # with "hostfile", under a launcher other than DeepSpeed's (whose choice the ranks read from its
+    # --world_info): the deepspeed launcher's --include / --exclude / --num_nodes / --num_gpus, same syntax
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: int | None = None
+    num_gpus: int | None = None
     intra_node_gbps: float = 150.0
     inter_node_gbps: float = 25.0
     probe_mbytes: int = 4
@@ -230,6 +236,13 @@ class TopologySection:
             raise ConfigError(f"{where}.bandwidth {self.bandwidth!r} is not one of {list(sources)}")
         if self.bandwidth == "hostfile" and not self.hostfile:
             raise ConfigError(f"{where}.bandwidth is \"hostfile\" but {where}.hostfile is not set")
+        filters = [k for k in ("include", "exclude", "num_nodes", "num_gpus") if getattr(self, k) is not None]
+        if filters and self.bandwidth != "hostfile":
+            raise ConfigError(f"{where}.{filters[0]} filters the hostfile, but {where}.bandwidth is "
+                              f"{self.bandwidth!r}: remove it or set bandwidth to \"hostfile\"")
+        for name in ("num_nodes", "num_gpus"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1 (or null: not given), got {getattr(self, name)}")
         for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops", "memory_gbps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")

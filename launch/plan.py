@@ -3,6 +3,7 @@ link class, the pipeline bubble and a predicted step time, on a laptop (no GPU; 
 model is built on the meta device).
 
     python launch/plan.py --deepspeed ds_configs/128node.json --hostfile hosts
+    python launch/plan.py --deepspeed ds_configs/single_node.json --hostfile hosts --include node-007
     python launch/plan.py --deepspeed ds_configs/single_node.json --nodes 1 --gpus-per-node 8 --json plan.json
 
 Exits 2, with the numbers, when a rank does not fit GPU memory. The cost model is
@@ -25,6 +26,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", "--deepspeed_config", dest="config", required=True, metavar="JSON")
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=N'); or --nodes and --gpus-per-node")
+    p.add_argument("-i", "--include", default="", metavar="NODE_SPEC[@NODE_SPEC...]",
+                   help="with --hostfile: the hosts/slots deepspeed --include would use (NAME[:SLOT[,SLOT...]])")
+    p.add_argument("-e", "--exclude", default="", metavar="NODE_SPEC[@NODE_SPEC...]",
+                   help="with --hostfile: the hosts/slots deepspeed --exclude would leave out")
+    p.add_argument("--num_nodes", type=int, help="with --hostfile: the first N hosts, as deepspeed --num_nodes")
+    p.add_argument("--num_gpus", "--num_accelerators", type=int,
+                   help="with --hostfile: slots [0, N) of each host, as deepspeed --num_gpus")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--memory-gb", type=float, default=hw.memory_gb, help="GPU memory (GB, 1e9 bytes)")
@@ -103,8 +111,15 @@ def main(argv=None):
     from ds_ext.profile.plan import Hardware, check_fits, make_plan, nodes_from_hostfile
     args = parse_args(argv)
     try:
+        filters = [f for f, v in (("--include", args.include), ("--exclude", args.exclude),
+                                  ("--num_nodes", args.num_nodes), ("--num_gpus", args.num_gpus))
+                   if v not in ("", None)]
+        if filters and not args.hostfile:
+            raise SeekspeedError(f"{filters[0]} filters a hostfile: pass --hostfile too, or use --nodes and "
+                                 f"--gpus-per-node")
         if args.hostfile:
-            nodes, per_node = nodes_from_hostfile(args.hostfile)
+            nodes, per_node = nodes_from_hostfile(args.hostfile, include=args.include, exclude=args.exclude,
+                                                  num_nodes=args.num_nodes, num_gpus=args.num_gpus)
         elif args.nodes:
             nodes, per_node = args.nodes, args.gpus_per_node
         else:

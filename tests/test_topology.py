@@ -91,7 +91,7 @@ def test_uneven_nodes_and_bad_hostfile():
     m = from_nodes([3, 5], intra_gbps=100.0, inter_gbps=10.0)
     assert m.affinity_groups() == [[0, 1, 2], [3, 4, 5, 6, 7]]
     from ds_ext.errors import ConfigError
-    with pytest.raises(ConfigError, match="hostfile:2: expected 'host slots=N'"):
+    with pytest.raises(ConfigError, match="hostfile:2: 'b 8': expected 'host slots=N'"):
         from_hostfile("a slots=8\nb 8\n", intra_gbps=1.0, inter_gbps=1.0)
 
 

@@ -238,20 +238,27 @@ def _layer_figures(specs, config):
 
 # ---- the plan ------------------------------------------------------------------------
 
-def nodes_from_hostfile(path):
-    from ds_ext.topology.bandwidth import parse_hostfile
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(f"--hostfile {path}: cannot read it ({exc.strerror}); pass a DeepSpeed hostfile "
-                          f"('host slots=N' per line) or --nodes and --gpus-per-node") from None
-    hosts = parse_hostfile(text, path=path)
-    slots = {n for _, n in hosts}
-    if len(slots) != 1:
-        raise ConfigError(f"{path}: nodes have different slot counts {sorted(slots)}; the planner assumes equal "
-                          f"nodes")
-    return len(hosts), slots.pop()
+def nodes_from_hostfile(path, *, include="", exclude="", num_nodes=None, num_gpus=None):
+    """(nodes, GPUs per node) of DeepSpeed hostfile ``path`` after the launcher's --include,
+    --exclude, --num_nodes and --num_gpus (DeepSpeed's own parser and filters)."""
+    import os
+
+    from ds_ext.topology.hostfile import active_resources, read_hostfile
+    if not os.path.isfile(path):
+        raise ConfigError(f"--hostfile {path} does not exist; pass a DeepSpeed hostfile ('host slots=N' per line) "
+                          f"or --nodes and --gpus-per-node")
+    active = active_resources(read_hostfile(path, what="--hostfile"), include=include, exclude=exclude,
+                              num_nodes=num_nodes, num_gpus=num_gpus, path=path)
+    counts = {host: len(slots) for host, slots in active.items()}
+    if len(set(counts.values())) != 1:
+        by_count = {}
+        for host, n in counts.items():
+            by_count.setdefault(n, []).append(host)
+        shown = "; ".join(f"{n} GPUs on {', '.join(hosts[:3])}{', ...' if len(hosts) > 3 else ''}"
+                          for n, hosts in sorted(by_count.items()))
+        raise ConfigError(f"{path}: the nodes used have different GPU counts ({shown}); the planner assumes equal "
+                          f"nodes: select equal ones with --include/--exclude or --num_gpus")
+    return len(counts), next(iter(counts.values()))
 
 
 CHECKPOINTABLE = ("dense", "moe", "mtp-dense", "mtp-moe")     # the recipe's checkpointable_layers

@@ -5,8 +5,6 @@ import time
 
 import numpy as np
 
-from ds_ext.errors import ConfigError
-
 # `nvidia-smi topo -m` link types -> GB/s one way (estimates; NV# counts bonded NVLinks)
 NVSMI_LINK_GBPS = {"PIX": 24.0, "PXB": 20.0, "PHB": 16.0, "NODE": 12.0, "SYS": 8.0}
 NVLINK_GBPS = 25.0
@@ -80,25 +78,11 @@ def from_nodes(nodes, *, intra_gbps, inter_gbps, source="hostfile"):
     return BandwidthMatrix(gbps, source=source)
 
 
-def parse_hostfile(text, *, path="hostfile"):
-    """[(host, slots)] from a DeepSpeed hostfile ("host slots=N"; # comments)."""
-    hosts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
-        if not match:
-            raise ConfigError(f"{path}:{number}: expected 'host slots=N', got {line!r}")
-        hosts.append((match.group(1), int(match.group(2))))
-    if not hosts:
-        raise ConfigError(f"{path}: no hosts")
-    return hosts
-
-
 def from_hostfile(text, *, intra_gbps, inter_gbps, path="hostfile"):
-    return from_nodes([slots for _, slots in parse_hostfile(text, path=path)], intra_gbps=intra_gbps,
-                      inter_gbps=inter_gbps, source=f"hostfile {path}")
+    """Every slot of the hostfile ``text`` (read as DeepSpeed's launcher reads it) one rank."""
+    from .hostfile import parse_hostfile
+    return from_nodes(list(parse_hostfile(text, path=path).values()), intra_gbps=intra_gbps, inter_gbps=inter_gbps,
+                      source=f"hostfile {path}")
 
 
 def parse_nvidia_smi_topo(text):

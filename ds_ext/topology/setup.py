@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ds_ext.errors import ConfigError
 
 from . import bandwidth as bw
+from . import hostfile as hf
 from .placement import StepTraffic, choose, predict
 
 
@@ -26,10 +27,65 @@ def check(section, *, model_config, where="seekspeed.topology"):
     if section.placement == "data-pipe" and model_config.num_moe_layers():
         raise ConfigError(f"{where}.placement data-pipe cannot be used with MoE layers (DeepSpeed's expert groups "
                           f"need each stage's ranks consecutive): use pipe-data or auto")
-    if section.bandwidth == "hostfile" and not os.path.isfile(section.hostfile):
-        raise ConfigError(f"{where}.hostfile {section.hostfile} does not exist")
+    if section.bandwidth == "hostfile":
+        if not os.path.isfile(section.hostfile):
+            raise ConfigError(f"{where}.hostfile {section.hostfile} does not exist")
+        configured_resources(section, where=where)
     if section.bandwidth == "nvidia-smi" and shutil.which("nvidia-smi") is None:
         raise ConfigError(f"{where}.bandwidth is nvidia-smi but nvidia-smi is not on PATH: use launcher or probe")
+
+
+def configured_resources(section, *, where="seekspeed.topology"):
+    """host -> slot ids of ``section.hostfile`` after the section's include / exclude /
+    num_nodes / num_gpus, by DeepSpeed's launcher's rules."""
+    pool = hf.read_hostfile(section.hostfile, what=f"{where}.hostfile")
+    return hf.active_resources(pool, include=section.include, exclude=section.exclude, num_nodes=section.num_nodes,
+                               num_gpus=section.num_gpus, path=section.hostfile,
+                               names={k: f"{where}.{k}" for k in hf.CLI_NAMES})
+
+
+def _filters(section, where):
+    given = [f"{where}.{k} {getattr(section, k)!r}" for k in hf.CLI_NAMES if getattr(section, k) is not None]
+    return ", ".join(given) if given else "no include/exclude/num_nodes/num_gpus"
+
+
+def hostfile_nodes(section, *, world_size, world_info=None, env=None, where="seekspeed.topology"):
+    """(ranks per node in rank order, a description) for ``bandwidth: hostfile``: the
+    hosts DeepSpeed's launcher started ranks on (its ``--world_info``, read from the
+    parent process) when known, else the hostfile with the section's filters; checked
+    against the launcher's counts (WORLD_SIZE, CROSS_SIZE, LOCAL_SIZE of node CROSS_RANK)."""
+    env = os.environ if env is None else env
+    path = section.hostfile
+    configured = configured_resources(section, where=where)
+    launched = hf.launcher_world_info() if world_info is None else world_info
+    if launched is not None:
+        pool = hf.read_hostfile(path, what=f"{where}.hostfile")
+        unknown = [h for h in launched if h not in pool]
+        if unknown:
+            raise ConfigError(f"DeepSpeed's launcher started ranks on {', '.join(unknown)}, which {where}.hostfile "
+                              f"{path} does not list: point {where}.hostfile at the file given to deepspeed --hostfile")
+        if any(getattr(section, k) is not None for k in hf.CLI_NAMES) and configured != launched:
+            raise ConfigError(f"{path} with {_filters(section, where)} gives {hf.describe(configured)}, but "
+                              f"DeepSpeed's launcher started {hf.describe(launched)}: remove those keys (the launcher's "
+                              f"choice is read from its --world_info) or make them match its flags")
+        active, how = launched, "as DeepSpeed's launcher chose"
+    else:
+        active, how = configured, _filters(section, where)
+    nodes = [len(slots) for slots in active.values()]
+    fix = (f"if deepspeed ran with --include/--exclude/--num_nodes/--num_gpus, repeat them as {where}.include/exclude/"
+           f"num_nodes/num_gpus, or set {where}.bandwidth to \"launcher\"")
+    if sum(nodes) != world_size:
+        raise ConfigError(f"{path} ({how}) gives {hf.describe(active)}, but the launcher started {world_size} "
+                          f"rank{'s' if world_size != 1 else ''}: {fix}")
+    if env.get("CROSS_SIZE") and int(env["CROSS_SIZE"]) != len(nodes):
+        raise ConfigError(f"{path} ({how}) gives {hf.describe(active)}, but the launcher started "
+                          f"{env['CROSS_SIZE']} nodes (CROSS_SIZE): {fix}")
+    if env.get("CROSS_RANK") and env.get("LOCAL_SIZE"):
+        host, slots = list(active.items())[int(env["CROSS_RANK"])]
+        if len(slots) != int(env["LOCAL_SIZE"]):
+            raise ConfigError(f"{path} ({how}) gives {host} {len(slots)} slots, but the launcher started "
+                              f"{env['LOCAL_SIZE']} ranks on node {env['CROSS_RANK']} (LOCAL_SIZE): {fix}")
+    return nodes, f"hostfile {path}, {how}"
 
 
 def bandwidth_matrix(section, *, world_size, log):
@@ -38,12 +94,9 @@ def bandwidth_matrix(section, *, world_size, log):
     if section.bandwidth == "probe":
         return bw.probe(nbytes=section.probe_mbytes * 2**20, log=log)
     if section.bandwidth == "hostfile":
-        with open(section.hostfile) as f:
-            m = bw.from_hostfile(f.read(), intra_gbps=section.intra_node_gbps, inter_gbps=section.inter_node_gbps,
-                                 path=section.hostfile)
-        if m.ranks != world_size:
-            raise ConfigError(f"{section.hostfile} lists {m.ranks} slots for {world_size} ranks: fix the hostfile")
-        return m
+        nodes, source = hostfile_nodes(section, world_size=world_size)
+        return bw.from_nodes(nodes, intra_gbps=section.intra_node_gbps, inter_gbps=section.inter_node_gbps,
+                             source=source)
     if section.bandwidth == "nvidia-smi":
         text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, check=True).stdout
         gpus = len(bw.parse_nvidia_smi_topo(text))
@@ -98,8 +151,8 @@ def plan(section, *, layout, model_config, ds, stage_params, ep, log):
     inter = inter if inter != float("inf") else section.inter_node_gbps
     traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, ep=ep,
                                compute_tflops=section.compute_tflops)
-    kwargs = dict(pp=layout.pipe_stages, dp=layout.data_parallel, ep=ep, traffic=traffic, node_of=node_of,
-                  intra_gbps=intra, inter_gbps=inter)
+    kwargs = {"pp": layout.pipe_stages, "dp": layout.data_parallel, "ep": ep, "traffic": traffic,
+              "node_of": node_of, "intra_gbps": intra, "inter_gbps": inter}
     if section.placement == "auto":
         best, predictions = choose(moe=model_config.num_moe_layers() > 0, **kwargs)
     else:
