@@ -39,11 +39,19 @@ def parse_args(argv=None):
     p.add_argument("--reserve-gb", type=float, default=hw.reserve_gb,
                    help="memory set aside for the CUDA context, NCCL and fragmentation")
     p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
+    p.add_argument("--fp8-tflops", type=float, default=None,
+                   help="dense FP8 GEMM TFLOP/s (H800: 1979) when the weight matmuls run in FP8 (compute only; "
+                        "memory is counted as the config's precision)")
     p.add_argument("--efficiency", type=float, default=hw.efficiency, help="achieved / peak FLOP/s (MFU)")
     p.add_argument("--intra-gbps", type=float, default=hw.intra_gbps, help="GB/s one way between GPUs of a node")
     p.add_argument("--inter-gbps", type=float, default=hw.inter_gbps, help="GB/s one way per GPU between nodes")
     p.add_argument("--gpu", default=hw.name, help="name shown in the report")
-    p.add_argument("--json", metavar="PATH", help="write the plan's figures to PATH")
+    p.add_argument("--json", metavar="PATH", help="write the plan's figures (with --sweep: the ranked layouts) to PATH")
+    p.add_argument("--sweep", action="store_true",
+                   help="plan every layout (pipeline degree, schedule, expert parallelism, micro-batch, activation "
+                        "checkpointing; balanced partition) at the config's global batch and print those that fit, "
+                        "fastest first")
+    p.add_argument("--top", type=int, default=10, help="with --sweep: how many layouts to print")
     return p.parse_args(argv)
 
 
@@ -99,7 +107,10 @@ def report(plan):
                   + (f", W {ms(c['W'])} ms" if c["W"] else "") + f"; p2p {c['p2p'] * 1e3:.3f} ms",
               f"step: pipeline {plan.makespan * 1e3:.1f} ms (idle: {(plan.makespan - plan.busy) * 1e3:.1f} ms = "
               f"{(plan.makespan - plan.busy) / plan.makespan:.1%} on the busiest rank, {plan.bubble * 1e3:.1f} ms = "
-              f"{plan.bubble / plan.makespan:.1%} on the least busy) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms + optimizer "
+              f"{plan.bubble / plan.makespan:.1%} on the least busy) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms"
+              + (f" (exposed of {plan.dp_total_seconds * 1e3:.1f} ms: each chunk reduces after its last backward)"
+                 if plan.overlap_grad_reduce else "")
+              + f" + optimizer "
               f"{plan.optimizer_seconds * 1e3:.1f} ms = {plan.step_seconds:.3f} s predicted; "
               f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / (plan.nodes * plan.ranks_per_node):,.0f} per GPU)"]
     lines += [f"note: {n}" for n in plan.notes]
@@ -124,8 +135,26 @@ def main(argv=None):
             nodes, per_node = args.nodes, args.gpus_per_node
         else:
             raise SeekspeedError("pass --hostfile hosts, or --nodes N (and --gpus-per-node, default 8)")
+        for flag in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "fp8_tflops"):
+            value = getattr(args, flag)
+            if value is not None and not value > 0:
+                raise SeekspeedError(f"--{flag.replace('_', '-')} {value:g}: a hardware figure must be positive")
+        if args.efficiency > 1:
+            raise SeekspeedError(f"--efficiency {args.efficiency:g} is achieved / peak FLOP/s: give a fraction in (0, 1]")
         hw = Hardware(name=args.gpu, memory_gb=args.memory_gb, reserve_gb=args.reserve_gb, peak_tflops=args.peak_tflops,
-                      efficiency=args.efficiency, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+                      efficiency=args.efficiency, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+                      fp8_tflops=args.fp8_tflops)
+        if args.sweep:
+            from ds_ext.profile.sweep import report as sweep_report
+            from ds_ext.profile.sweep import sweep
+            fitting, skipped = sweep(args.config, nodes=nodes, ranks_per_node=per_node, hardware=hw,
+                                     log=lambda m: print(m, flush=True))
+            print(sweep_report(fitting, skipped, top=args.top), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"config": args.config, "nodes": nodes, "ranks_per_node": per_node,
+                               "layouts": [c.to_json() for c in fitting], "skipped": skipped}, f, indent=2)
+            return 0 if fitting else 2
         plan = make_plan(args.config, nodes=nodes, ranks_per_node=per_node, hardware=hw)
         print(report(plan), flush=True)
         if args.json:

@@ -68,10 +68,18 @@ class Hardware:
     intra_gbps: float = 200.0       # GB/s one way between two GPUs of a node
     inter_gbps: float = 25.0        # GB/s one way per GPU across nodes (200 Gb/s)
     latency_us: float = 10.0        # per point-to-point transfer
+    # dense FP8 GEMM TFLOP/s (H800: 1,979), for a run whose weight matmuls are FP8 elsewhere: those
+    # FLOPs then run at fp8_tflops x efficiency; attention's S^2 terms and memory stay as in bf16
+    fp8_tflops: float | None = None
 
     @property
     def flops(self):
         return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def gemm_flops(self):
+        """FLOP/s of the weight matmuls: FP8's when given."""
+        return (self.fp8_tflops if self.fp8_tflops else self.peak_tflops) * 1e12 * self.efficiency
 
 
 @dataclass(kw_only=True)
@@ -130,7 +138,7 @@ class Plan:
     makespan: float            # the pipeline part of the step (simulator)
     bubble: float
     busy: float
-    dp_seconds: float
+    dp_seconds: float          # the gradient reduction the step waits for (exposed)
     optimizer_seconds: float
     step_seconds: float
     tokens_per_step: int
@@ -139,6 +147,8 @@ class Plan:
     zero_stage: int
     comm_target: str = "gradient"
     warmup_steps: int = 0      # dense optimizer steps before the compressed ones (the dense columns)
+    dp_total_seconds: float = 0.0      # the gradient reduction's own time, overlapped or not
+    overlap_grad_reduce: bool = False  # seekspeed.overlap_grad_reduce: each chunk reduces after its last B/W
     partition: str = ""        # pipeline.partition as configured ("balanced": cut from layer_seconds)
     bounds: list = field(default_factory=list)          # the layer cut into virtual stages
     layer_seconds: list = field(default_factory=list)   # per layer spec: F + B + W seconds per micro-batch
@@ -377,7 +387,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         a2a_layer = 2 * tokens * mc.num_experts_per_tok * h * a * (ep - 1) / ep
     recompute_passes = 1 if interval > 0 else 0
     overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0)
-    shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.flops
+    shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.gemm_flops
     zb = s.schedule in ZERO_BUBBLE_SCHEDULES
     logits = tokens * mc.vocab_size
 
@@ -392,7 +402,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         attention = attention_flops(mc, seq_len=lay.seq_len) / 2 if row["kind"] in CHECKPOINTABLE else 0.0
         weights = 2 * tokens * row["active"]
         kept = full_bytes(row) if row["kind"] in CHECKPOINTABLE else 0.0
-        forward = (weights + 2 * tokens * attention) / hw.flops + kept / (hw.hbm_gbps * GB)
+        forward = weights / hw.gemm_flops + 2 * tokens * attention / hw.flops + kept / (hw.hbm_gbps * GB)
         backward = (2 + recompute_passes) * forward
         if row["kind"] == "embed":
             forward += tokens * h * a / (hw.hbm_gbps * GB)
@@ -404,7 +414,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
                           shared_forward=shared_forward, recompute_passes=recompute_passes)
         return {"compute_f": forward, "compute_b": backward, "a2a_f": cost["forward"], "a2a_b": cost["backward"],
                 "exposed_f": cost["forward_exposed"], "exposed_b": cost["backward_exposed"],
-                "W": weights / hw.flops if zb else 0.0}
+                "W": weights / hw.gemm_flops if zb else 0.0}
 
     costs = [layer_cost(row) for row in figures]
     for row, c in zip(figures, costs):
@@ -528,7 +538,15 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
             f"{key}_bytes": per_rank * ep, f"{key}_bytes_compressed": per_rank * ep, f"{other}_bytes": 0.0,
             f"{other}_bytes_compressed": 0.0, "seconds": charged, "seconds_compressed": charged}))
 
-    dp_seconds = worst["seconds_compressed"] if comm.compressor != "none" else max(g["seconds"] for g in reductions)
+    key = "seconds_compressed" if comm.compressor != "none" else "seconds"
+    dp_total = max(g[key] for g in reductions)
+    overlap_dp = bool(getattr(s, "overlap_grad_reduce", False))
+    dp_seconds = dp_total
+    if overlap_dp and pp > 1:
+        ends = _overlapped_reduction_ends(sim.timeline, schedule=s.schedule, stages=pp, reductions=[
+            {p: g[key] * sum(r["params"] for r in chunks[p]) / max(st.params, 1)
+             for p in rank_chunks(s.schedule, rank=rank, stages=pp)} for rank, (g, st) in enumerate(zip(reductions, stages))])
+        dp_seconds = max(0.0, max(ends) - sim.makespan)
     biggest = max(stages, key=lambda st: st.params)
     optimizer_seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
     unique = sum(full[i]["params"] for i in held_once(full_specs, range(len(full_specs))))
@@ -567,6 +585,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
                 stages=stages, traffic=groups, compressor=comm.compressor,
                 chunk_costs={"F": F, "B": B, "W": W, "p2p": p2p},
                 makespan=sim.makespan, bubble=sim.bubble, busy=max(busy), dp_seconds=dp_seconds,
+                dp_total_seconds=dp_total, overlap_grad_reduce=overlap_dp,
                 optimizer_seconds=optimizer_seconds, step_seconds=sim.makespan + dp_seconds + optimizer_seconds,
                 tokens_per_step=lay.tokens_per_step, fits=all(st.total <= hw.memory_gb * GB for st in stages),
                 total_params=unique, zero_stage=zero, comm_target=comm.target,
@@ -604,6 +623,29 @@ def _a2a_per_step(timeline, *, fb_cost, a2a_f, a2a_b, exposed_f, exposed_b, comp
                 charged += fb_cost(op.stage, op.stage2) - compute_f[op.stage] - compute_b[op.stage2]
         worst = max(worst, (flight, charged))
     return worst
+
+
+def _overlapped_reduction_ends(timeline, *, schedule, stages, reductions):
+    """Per rank: when its gradient reduction ends if each chunk's starts once the chunk
+    has run its last backward and W of the step (``seekspeed.overlap_grad_reduce``),
+    one chunk after another on the rank's links. ``reductions[rank][chunk]``: that
+    chunk's reduction seconds. A chunk held twice (dualpipe's copies) starts once both
+    copies are done: their gradients are summed first. The reductions are taken not to
+    slow the pipeline's own transfers or compute (separate links and streams)."""
+    done = {}
+    for ops in timeline:
+        for op in ops:
+            if op.kind in ("B", "Bi", "W"):
+                done[op.stage] = max(done.get(op.stage, 0.0), op.end)
+            elif op.kind == "FB":
+                done[op.stage2] = max(done.get(op.stage2, 0.0), op.end)
+    ends = []
+    for rank in range(stages):
+        t = 0.0
+        for chunk, seconds in sorted(reductions[rank].items(), key=lambda kv: done.get(kv[0], 0.0)):
+            t = max(t, done.get(chunk, 0.0)) + seconds
+        ends.append(t)
+    return ends
 
 
 def _peak_bytes(timeline, stage_bytes):
