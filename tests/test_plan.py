@@ -440,3 +440,63 @@ def test_balanced_partition_names_a_layer_the_planner_cannot_cost():
     specs = deepseek_v3.layer_specs(config, seed=0) + [LayerSpec(torch.nn.Identity)]
     with pytest.raises(ConfigError, match="cannot cost layer class Identity"):
         check_partition("balanced", specs, config)
+
+
+def test_fp8_gemm_throughput_speeds_only_the_weight_matmuls(tmp_path):
+    """--fp8-tflops: W (the weight gradients, GEMMs only) runs at the FP8 rate; the
+    forward keeps attention's S^2 terms and the memory-bound passes at their rate."""
+    import dataclasses
+    path = _config(tmp_path, "tiny_dualpipev_cpu.json", **{"seekspeed.schedule": "dualpipev-zb"})
+    bf16 = make_plan(path, nodes=1, ranks_per_node=2, hardware=_fast_links())
+    fp8 = make_plan(path, nodes=1, ranks_per_node=2, hardware=dataclasses.replace(_fast_links(), fp8_tflops=200.0))
+    assert fp8.chunk_costs["W"] == pytest.approx([w / 2 for w in bf16.chunk_costs["W"]])
+    assert all(w / 2 < a < b for w, a, b in zip(bf16.chunk_costs["W"][1:-1], fp8.chunk_costs["F"][1:-1],
+                                                bf16.chunk_costs["F"][1:-1]))
+
+
+def test_overlapped_reduction_starts_after_each_chunks_last_backward(tmp_path):
+    """seekspeed.overlap_grad_reduce under 1f1b on 2 ranks: the last stage finishes its
+    backwards first and reduces while stage 0 drains; stage 0's reduction starts at the
+    end of the pipeline. Exposed = max over ranks of (last backward end + reduction)
+    - pipeline, from the simulated timeline by hand."""
+    import dataclasses
+    from ds_ext.config import load_config
+    path = _config(tmp_path, "tiny_cpu.json", **{"gradient_accumulation_steps": 8, "pipeline.stages": 2})
+    slow = dataclasses.replace(_fast_links(), inter_gbps=0.05, intra_gbps=0.05)
+    plain = make_plan(path, nodes=4, ranks_per_node=1, hardware=slow)
+    cfg = load_config(path, world_size=4)
+    cfg.section.overlap_grad_reduce = True
+    over = make_plan(cfg, nodes=4, ranks_per_node=1, hardware=slow)
+    assert not plain.overlap_grad_reduce and plain.dp_seconds == plain.dp_total_seconds > 0
+    assert over.overlap_grad_reduce and over.dp_total_seconds == plain.dp_total_seconds
+    from ds_ext.pipe.simulate import simulate
+    c = over.chunk_costs
+    sim = simulate("1f1b", ranks=2, micro_batches=8, F=c["F"], B=c["B"], comm=c["p2p"])
+    last_b = [max(op.end for op in ops if op.kind == "B") for ops in sim.timeline]
+    assert last_b[1] < last_b[0] == pytest.approx(sim.makespan)
+    per_rank = [st.reduce_seconds for st in plain.stages]
+    assert max(per_rank) == plain.dp_total_seconds
+    exposed = max(0.0, max(b + d for b, d in zip(last_b, per_rank)) - sim.makespan)
+    assert over.dp_seconds == pytest.approx(exposed)
+    assert over.dp_seconds < over.dp_total_seconds
+    assert over.step_seconds == pytest.approx(over.makespan + over.dp_seconds + over.optimizer_seconds)
+
+
+def test_sweep_ranks_the_layouts_that_fit(tmp_path):
+    """--sweep on a tiny MoE config (1 node x 4 ranks): every listed layout fits, they
+    come fastest first, each is the plan of that layout made on its own, and refused
+    combinations are counted with their reason."""
+    from ds_ext.profile.sweep import sweep
+    path = _config(tmp_path, "tiny_moe_cpu.json")
+    fitting, skipped = sweep(path, nodes=1, ranks_per_node=4, hardware=Hardware(), log=lambda m: None)
+    assert len(fitting) >= 4 and skipped
+    speeds = [c.plan.tokens_per_s for c in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert {c.schedule for c in fitting} >= {"1f1b", "dualpipev-zb"} and {c.pipe_stages for c in fitting} >= {1, 2}
+    assert all(c.micro_batch * c.grad_accum * (4 // c.pipe_stages) == 4 * 4 * 2 for c in fitting)   # the batch
+    best = fitting[0]
+    from ds_ext.profile.sweep import _variant
+    (tmp_path / "best").mkdir()
+    p = tmp_path / "best" / "cfg.json"
+    p.write_text(json.dumps(_variant(json.loads(open(path).read()), best)))
+    assert make_plan(str(p), nodes=1, ranks_per_node=4).tokens_per_s == pytest.approx(best.plan.tokens_per_s)

@@ -100,6 +100,7 @@ class StageMemory:
     comm_state: float = 0.0
     comm_state_parts: dict = field(default_factory=dict)
     busy: float = 0.0          # seconds a step this rank computes (the simulator's ops; idle and waits excluded)
+    reduce_seconds: float = 0.0   # this rank's data-parallel gradient reduction on its own (not overlapped)
 
     @property
     def total(self):
@@ -540,6 +541,8 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
 
     key = "seconds_compressed" if comm.compressor != "none" else "seconds"
     dp_total = max(g[key] for g in reductions)
+    for st, g in zip(stages, reductions):
+        st.reduce_seconds = g[key]
     overlap_dp = bool(getattr(s, "overlap_grad_reduce", False))
     dp_seconds = dp_total
     if overlap_dp and pp > 1:
