@@ -40,17 +40,28 @@ def _sim(args, timeout=600):
                           timeout=timeout)
 
 
-def test_training_on_two_simulated_nodes(tmp_path):
+def test_training_the_v3_layout_in_miniature_on_simulated_nodes(tmp_path):
+    """ds_configs/128node_v3_tiny.json, the 128node_v3.json layout at tiny scale: the
+    same schedule, MTP, bf16 with fp32 accumulation, ZeRO 1 and the balanced cut, on 4
+    simulated nodes of 1 rank, so that as in production each expert-parallel group
+    (data-parallel ranks 0 and 1 of a stage) spans two nodes and so does the pipeline."""
     before = _namespaces()
     summary = tmp_path / "s.json"
-    proc = _sim(["--nodes", "2", "--ranks-per-node", "2", "--rate", "1gbit", "--master-port", "29633", "--",
-                 "launch/train.py", "--deepspeed", "ds_configs/tiny_cpu.json", "--steps", "3", "--checkpoint-dir",
-                 str(tmp_path / "ckpt"), "--summary-json", str(summary)])
+    proc = _sim(["--nodes", "4", "--ranks-per-node", "1", "--rate", "1gbit", "--master-port", "29633", "--tail", "400", "--",
+                 "launch/train.py", "--deepspeed", "ds_configs/128node_v3_tiny.json", "--steps", "3",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-json", str(summary)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["layout"]["world_size"] == 4 and s["steps"] == 3
-    assert "simcluster: 2 nodes x 2 ranks" in proc.stdout
-    assert _namespaces() == before            # torn down
+    assert s["layout"]["schedule"] == "dualpipev-zb" and set(s["loss_parts"][-1]) == {"lm", "mtp"}
+    assert len(s["moe"]["expert_load"]) == 4          # 3 MoE decoder layers + the MTP layer's
+    assert "simcluster: 4 nodes x 1 ranks" in proc.stdout
+    from ds_ext.profile.plan import make_plan
+    plan = make_plan("ds_configs/128node_v3_tiny.json", nodes=4, ranks_per_node=1)
+    cut = ", ".join(f"stage {p}: layers [{plan.bounds[p]},{plan.bounds[p + 1]})" for p in range(4))
+    assert f"balanced partition (planner costs): {cut}" in proc.stdout
+    prefix = proc.stdout.split("namespaces ", 1)[1].split("-*", 1)[0]
+    assert prefix not in _namespaces() and prefix not in before          # torn down (others' may come and go)
 
 
 def test_failure_tears_everything_down(tmp_path):
