@@ -75,7 +75,7 @@ def planned(path, ranks):
     from ds_ext.profile.plan import cut_hardware, make_plan
     from ds_ext.config import load_config
     cfg = load_config(path, world_size=ranks)
-    plan = make_plan(cfg, nodes=1, ranks_per_node=ranks, hardware=cut_hardware(cfg.section.topology))
+    plan = make_plan(cfg, nodes=1, ranks_per_node=ranks, hardware=cut_hardware(cfg.section.topology, ranks))
     return plan.bounds, [st.busy for st in plan.stages]
 
 

@@ -189,7 +189,7 @@ def partition_for(cfg, recipe, model_config):
         if per_node < 1 or world % per_node:
             per_node = world
         cached = make_plan(cfg, nodes=world // per_node, ranks_per_node=per_node,
-                           hardware=cut_hardware(cfg.section.topology)).bounds
+                           hardware=cut_hardware(cfg.section.topology, per_node)).bounds
         cfg._balanced_bounds = cached
     return list(cached)
 

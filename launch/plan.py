@@ -7,9 +7,10 @@ model is built on the meta device).
     python launch/plan.py --deepspeed ds_configs/single_node.json --nodes 1 --gpus-per-node 8 --json plan.json
 
 Exits 2, with the numbers, when a rank does not fit GPU memory. The cost model is
-described in ds_ext/profile/plan.py; hardware defaults are an H800 with one 200 Gb/s
-NIC per GPU (override with --memory-gb, --peak-tflops, --efficiency, --intra-gbps,
---inter-gbps).
+described in ds_ext/profile/plan.py, its collectives in ds_ext/profile/collectives.py;
+hardware defaults are DeepSeek-V3's H800 nodes: 8 GPUs on NVLink (200 GB/s one way
+each), 8 InfiniBand NICs of 400 Gb/s (override with --memory-gb, --peak-tflops,
+--efficiency, --intra-gbps, --nics-per-node, --nic-gbps).
 """
 
 import argparse
@@ -43,8 +44,11 @@ def parse_args(argv=None):
                    help="dense FP8 GEMM TFLOP/s (H800: 1979) when the weight matmuls run in FP8 (compute only; "
                         "memory is counted as the config's precision)")
     p.add_argument("--efficiency", type=float, default=hw.efficiency, help="achieved / peak FLOP/s (MFU)")
-    p.add_argument("--intra-gbps", type=float, default=hw.intra_gbps, help="GB/s one way between GPUs of a node")
-    p.add_argument("--inter-gbps", type=float, default=hw.inter_gbps, help="GB/s one way per GPU between nodes")
+    p.add_argument("--intra-gbps", type=float, default=hw.intra_gbps, help="NVLink GB/s one way per GPU")
+    p.add_argument("--nics-per-node", type=int, default=hw.nics_per_node,
+                   help="inter-node NICs per node, one rail each")
+    p.add_argument("--nic-gbps", "--inter-gbps", dest="inter_gbps", type=float, default=hw.inter_gbps,
+                   help="GB/s one way per NIC (400 Gb/s = 50; --inter-gbps, its old name, is the same: per NIC)")
     p.add_argument("--gpu", default=hw.name, help="name shown in the report")
     p.add_argument("--json", metavar="PATH", help="write the plan's figures (with --sweep: the ranked layouts) to PATH")
     p.add_argument("--sweep", action="store_true",
@@ -69,8 +73,8 @@ def _bytes(x):
 def report(plan):
     lay, hw = plan.layout, plan.hardware
     lines = [f"plan: {plan.config} on {plan.nodes} node(s) x {plan.ranks_per_node} {hw.name} "
-             f"({hw.memory_gb:g} GB, {hw.peak_tflops:g} TFLOP/s peak x {hw.efficiency:g}, links {hw.intra_gbps:g} GB/s "
-             f"inside a node, {hw.inter_gbps:g} GB/s per GPU between nodes)",
+             f"({hw.memory_gb:g} GB, {hw.peak_tflops:g} TFLOP/s peak x {hw.efficiency:g}; NVLink {hw.intra_gbps:g} GB/s "
+             f"per GPU, {hw.nics_per_node} NICs x {hw.inter_gbps:g} GB/s per node of {hw.gpus_per_node} GPUs, one way)",
              f"layout: {lay['pipe_stages']} pipeline stages x {lay['data_parallel']} data-parallel, micro-batch "
              f"{lay['micro_batch']} x {lay['grad_accum']} accumulation, seq {lay['seq_len']}; schedule {plan.schedule}; "
              f"placement {plan.placement}; {plan.total_params / 1e9:.2f} B parameters",
@@ -135,15 +139,15 @@ def main(argv=None):
             nodes, per_node = args.nodes, args.gpus_per_node
         else:
             raise SeekspeedError("pass --hostfile hosts, or --nodes N (and --gpus-per-node, default 8)")
-        for flag in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "fp8_tflops"):
+        for flag in ("memory_gb", "peak_tflops", "efficiency", "fp8_tflops"):       # links: Hardware checks them
             value = getattr(args, flag)
             if value is not None and not value > 0:
                 raise SeekspeedError(f"--{flag.replace('_', '-')} {value:g}: a hardware figure must be positive")
         if args.efficiency > 1:
             raise SeekspeedError(f"--efficiency {args.efficiency:g} is achieved / peak FLOP/s: give a fraction in (0, 1]")
         hw = Hardware(name=args.gpu, memory_gb=args.memory_gb, reserve_gb=args.reserve_gb, peak_tflops=args.peak_tflops,
-                      efficiency=args.efficiency, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
-                      fp8_tflops=args.fp8_tflops)
+                      efficiency=args.efficiency, gpus_per_node=per_node, nics_per_node=args.nics_per_node,
+                      intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, fp8_tflops=args.fp8_tflops)
         if args.sweep:
             from ds_ext.profile.sweep import report as sweep_report
             from ds_ext.profile.sweep import sweep

@@ -92,7 +92,10 @@ def test_activation_model_against_autograd(preset, layer_idx, kind, seq):
 
 
 def _fast_links():
-    return Hardware(peak_tflops=100.0, efficiency=1.0, intra_gbps=1e12, inter_gbps=1e12, latency_us=0.0)
+    """No transfer time: links all but infinitely fast and no latency, the collectives'
+    per-step latencies (ds_ext/profile/collectives.py) included."""
+    return Hardware(peak_tflops=100.0, efficiency=1.0, intra_gbps=1e12, inter_gbps=1e12, latency_us=0.0,
+                    nvlink_latency_us=0.0, nic_latency_us=0.0)
 
 
 def test_step_time_is_1f1b_by_hand(tmp_path):
@@ -325,13 +328,16 @@ def test_planner_charges_two_phase_compressors_as_traffic_counts(tmp_path, compr
     """The planner's data-parallel bytes out of each node are traffic.py's for the same
     group (2 nodes x 2 replicas of the stage), and its memory adds traffic.py's state;
     target momentum adds exactly the full local momentum (ZeRO 1 shards the optimizer,
-    not that)."""
+    not that). Compression is faster where bytes set the time: on 1 Gb/s links (the
+    tiny model's 2 MB gradient on 400 Gb/s ones is latency-bound, ~30 us, where the
+    compressors' two or three collectives cost more alpha terms than one all-reduce)."""
     from ds_ext.comm.traffic import inter_node_bytes, state_bytes
     from recipes import deepseek_v3
-    plans = {target: _comm_plan(tmp_path, compressor=compressor, hierarchical=hierarchical, target=target,
+    slow = Hardware(intra_gbps=1.25, inter_gbps=0.125)
+    plans = {target: _comm_plan(tmp_path, slow, compressor=compressor, hierarchical=hierarchical, target=target,
                                 warmup_steps=10) for target in ("gradient", "momentum")}
     dense = make_plan(_config(tmp_path, "tiny_cpu.json", **{"seekspeed.topology.placement": "data-pipe"}),
-                      nodes=2, ranks_per_node=4)
+                      nodes=2, ranks_per_node=4, hardware=slow)
     plan = plans["gradient"]
     big = max(plan.stages, key=lambda st: st.params)
     dp = next(t for t in plan.traffic if t.group == "data-parallel")

@@ -57,20 +57,50 @@ GB = 1e9
 
 @dataclass(kw_only=True)
 class Hardware:
-    """A GPU and its links. Defaults: NVIDIA H800 SXM (80 GB HBM3, 989 dense bf16
-    TFLOP/s, NVLink 400 GB/s both directions) with one 200 Gb/s NIC per GPU."""
+    """A GPU, its node and its links. Defaults: NVIDIA H800 SXM (80 GB HBM3, 989 dense
+    bf16 TFLOP/s) in a node as DeepSeek-V3's cluster had them: 8 GPUs on NVLink and
+    NVSwitch (400 GB/s both directions per GPU, 200 one way), one 400 Gb/s ConnectX-7
+    InfiniBand NIC per GPU (DeepSeek-V3 technical report, arXiv 2412.19437 section 3.1;
+    DeepEP's README: "H800 (~160 GB/s NVLink maximum bandwidth), with each connected to
+    a CX7 InfiniBand 400 Gb/s RDMA network card (~50 GB/s maximum bandwidth)").
+    Bandwidths are line rates, one way; the efficiencies are what NCCL achieves of them
+    (ds_ext/profile/collectives.py says where each comes from)."""
     name: str = "H800"
     memory_gb: float = 80.0
     reserve_gb: float = 4.0         # CUDA context, NCCL buffers, allocator fragmentation
     peak_tflops: float = 989.0
     efficiency: float = 0.4         # achieved / peak on the model's matmuls (MFU)
     hbm_gbps: float = 3350.0        # GB/s, for the optimizer step
-    intra_gbps: float = 200.0       # GB/s one way between two GPUs of a node
-    inter_gbps: float = 25.0        # GB/s one way per GPU across nodes (200 Gb/s)
+    # node and links
+    gpus_per_node: int = 8
+    nics_per_node: int = 8          # one rail each
+    intra_gbps: float = 200.0       # NVLink GB/s one way per GPU
+    inter_gbps: float = 50.0        # GB/s one way per NIC (400 Gb/s)
+    nvlink_efficiency: float = 0.8      # rings and trees: NCCL's own 20.6 of 25 GB/s per Hopper link
+    nvlink_a2a_efficiency: float = 0.67  # all-to-all: DeepEP's intranode EP8 dispatch, 153 GB/s on H800
+    nic_efficiency: float = 0.94        # NVIDIA: 46-48 GB/s per 400 Gb/s NIC through NCCL
     latency_us: float = 10.0        # per point-to-point transfer
     # dense FP8 GEMM TFLOP/s (H800: 1,979), for a run whose weight matmuls are FP8 elsewhere: those
     # FLOPs then run at fp8_tflops x efficiency; attention's S^2 terms and memory stay as in bf16
     fp8_tflops: float | None = None
+    nvlink_latency_us: float = 1.0  # per collective algorithm step inside a node
+    nic_latency_us: float = 5.0     # per collective algorithm step between nodes
+
+    def __post_init__(self):
+        flags = {"gpus_per_node": "--gpus-per-node", "nics_per_node": "--nics-per-node",
+                 "intra_gbps": "--intra-gbps", "inter_gbps": "--nic-gbps (--inter-gbps)"}
+        for name in ("gpus_per_node", "nics_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flags[name]} {getattr(self, name)}: a node needs at least one; pass the count "
+                                  f"per node (8 GPUs and 8 NICs on an HGX H100/H800)")
+        for name in ("intra_gbps", "inter_gbps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{flags[name]} {getattr(self, name)}: give the link's GB/s one way, above 0 "
+                                  f"(400 Gb/s is 50)")
+        for name in ("nvlink_efficiency", "nvlink_a2a_efficiency", "nic_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"Hardware {name} {getattr(self, name)}: an achieved fraction of the line rate, "
+                                  f"in (0, 1]")
 
     @property
     def flops(self):
@@ -80,6 +110,14 @@ class Hardware:
     def gemm_flops(self):
         """FLOP/s of the weight matmuls: FP8's when given."""
         return (self.fp8_tflops if self.fp8_tflops else self.peak_tflops) * 1e12 * self.efficiency
+
+    def fabric(self):
+        """The node's links for ds_ext/profile/collectives.py."""
+        from ds_ext.profile.collectives import Fabric
+        return Fabric(gpus_per_node=self.gpus_per_node, nics_per_node=self.nics_per_node, nic_gbps=self.inter_gbps,
+                      nvlink_gbps=self.intra_gbps, nic_efficiency=self.nic_efficiency,
+                      nvlink_efficiency=self.nvlink_efficiency, nvlink_a2a_efficiency=self.nvlink_a2a_efficiency,
+                      nic_latency_us=self.nic_latency_us, nvlink_latency_us=self.nvlink_latency_us)
 
 
 @dataclass(kw_only=True)
@@ -288,12 +326,13 @@ def gradient_bytes(ds):
     return 2
 
 
-def cut_hardware(topology):
+def cut_hardware(topology, ranks_per_node):
     """The figures ``pipeline.partition: "balanced"`` costs layers with, in the run and
     in every plan of it: seekspeed.topology's compute_tflops (sustained, so efficiency
-    1), memory_gbps and link speeds; the rest Hardware's defaults."""
+    1), memory_gbps and link speeds (one NIC per rank); the rest Hardware's defaults."""
     return Hardware(peak_tflops=topology.compute_tflops, efficiency=1.0, hbm_gbps=topology.memory_gbps,
-                    intra_gbps=topology.intra_node_gbps, inter_gbps=topology.inter_node_gbps)
+                    gpus_per_node=ranks_per_node, nics_per_node=ranks_per_node, intra_gbps=topology.intra_node_gbps,
+                    inter_gbps=topology.inter_node_gbps)
 
 
 def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interval=None):
@@ -382,10 +421,16 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     # Per-chunk costs (seconds per micro-batch) for the simulator. The all-to-all is
     # charged only where no compute covers it (see _a2a_costs).
     a2a_layer = 0.0            # one MoE layer's dispatch + combine for one micro-batch, one pass
-    a2a_bw = hw.intra_gbps * GB
+    a2a_bw = hw.fabric().nvlink(a2a=True)
+    a2a_cost = None            # one dispatch as NCCL's all-to-all over the group's nodes (collectives.py)
     if ep > 1 and mc.num_moe_layers():
-        a2a_bw = (hw.inter_gbps if len({node(0, d) for d in range(ep)}) > 1 else hw.intra_gbps) * GB
-        a2a_layer = 2 * tokens * mc.num_experts_per_tok * h * a * (ep - 1) / ep
+        from ds_ext.profile.collectives import all_to_all
+        ep_nodes = [node(0, d) for d in range(ep)]
+        sent = tokens * mc.num_experts_per_tok * h * a          # every routed copy of a token, self included
+        a2a_cost = all_to_all(sent, nodes=len(set(ep_nodes)), per_node=max(map(ep_nodes.count, ep_nodes)),
+                              fabric=hw.fabric())
+        a2a_layer = 2 * sent * (ep - 1) / ep
+        a2a_bw = a2a_layer / 2 / a2a_cost.seconds
     recompute_passes = 1 if interval > 0 else 0
     overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0)
     shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.gemm_flops
@@ -446,7 +491,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     if balanced:
         # the cut with the least compute on the busiest rank (recipes.layers.pipe.balanced_cut),
         # costed on the figures the run cuts by (cut_hardware), whatever this plan's hardware
-        cut_hw = cut_hardware(s.topology)
+        cut_hw = cut_hardware(s.topology, ranks_per_node)
         bounds = (balanced_cut([row["seconds"] for row in figures], schedule=s.schedule, stages=pp) if hw == cut_hw
                   else make_plan(cfg, nodes=nodes, ranks_per_node=ranks_per_node, hardware=cut_hw,
                                  checkpoint_interval=checkpoint_interval).bounds)
@@ -530,14 +575,14 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         passes = lay.grad_accum * (2 + recompute_passes)
         per_rank = max(sum(1 for p in rank_chunks(s.schedule, rank=r, stages=pp) for row in chunks[p]
                            if row["kind"].endswith("moe")) for r in range(pp)) * passes * a2a_layer
-        key = "inter" if a2a_bw == hw.inter_gbps * GB else "intra"
-        other = "intra" if key == "inter" else "inter"
+        cross = a2a_cost.inter_bytes / (a2a_cost.inter_bytes + a2a_cost.intra_bytes)
         flight, charged = _a2a_per_step(sim.timeline, fb_cost=fb_cost, a2a_f=a2a_f, a2a_b=a2a_b,
                                         exposed_f=exposed_f, exposed_b=exposed_b, compute_f=compute_f,
                                         compute_b=compute_b)
-        groups.append(GroupTraffic(group="expert all-to-all", members=ep, **{
-            f"{key}_bytes": per_rank * ep, f"{key}_bytes_compressed": per_rank * ep, f"{other}_bytes": 0.0,
-            f"{other}_bytes_compressed": 0.0, "seconds": charged, "seconds_compressed": charged}))
+        groups.append(GroupTraffic(group="expert all-to-all", members=ep, intra_bytes=per_rank * ep * (1 - cross),
+                                   inter_bytes=per_rank * ep * cross, intra_bytes_compressed=per_rank * ep * (1 - cross),
+                                   inter_bytes_compressed=per_rank * ep * cross, seconds=charged,
+                                   seconds_compressed=charged))
 
     key = "seconds_compressed" if comm.compressor != "none" else "seconds"
     dp_total = max(g[key] for g in reductions)
@@ -673,52 +718,50 @@ def _peak_bytes(timeline, stage_bytes):
 
 def _dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payload):
     """Bytes on intra/inter-node links and seconds of one data-parallel group's
-    gradient reduction (ring collectives; the two-phase compressors' all-to-all direct
-    from each rank, ds_ext/comm/traffic.py); ``members``: each member's node;
-    ``payload(numel, ranks)``: the compressor's (bytes, collective) over ``ranks``."""
+    gradient reduction, as NCCL runs the collectives (ds_ext/profile/collectives.py: ring
+    or tree over the node's rails and NVLink, the faster for the size; the other
+    stages' groups on the node share its NICs). Dense: an all-reduce. A compressor's
+    payload (ds_ext/comm/traffic.py) by its collective: all-reduce; all-gather of every
+    rank's payload; two-phase (sign, int4): an all-to-all of the payload, then an
+    all-gather of the 1/n segments. Hierarchical: an all-reduce inside each node, then
+    the payload across the nodes on each of the node's m rails (1/m of it each).
+    ``members``: each member's node; ``payload(numel, ranks)``: the compressor's
+    (bytes, collective) over ``ranks``."""
+    from ds_ext.profile import collectives as cc
     n = len(members)
     per_node = {}
     for m in members:
         per_node[m] = per_node.get(m, 0) + 1
     nodes, m = len(per_node), max(per_node.values())
     size = numel * grad_bytes
-    out = dict(intra_bytes=0.0, inter_bytes=0.0, intra_bytes_compressed=0.0, inter_bytes_compressed=0.0,
-               seconds=0.0, seconds_compressed=0.0)
+    out = {"intra_bytes": 0.0, "inter_bytes": 0.0, "intra_bytes_compressed": 0.0, "inter_bytes_compressed": 0.0,
+           "seconds": 0.0, "seconds_compressed": 0.0}
     if n < 2:
         return out
-    crossing = nodes if nodes > 1 else 0      # ring edges between nodes
-    edge = 2 * (n - 1) / n * size
-    out["intra_bytes"], out["inter_bytes"] = (n - crossing) * edge, crossing * edge
-    bottleneck = (hw.inter_gbps if nodes > 1 else hw.intra_gbps) * GB
-    out["seconds"] = edge / bottleneck
+    fabric = hw.fabric()
+    group = {"nodes": nodes, "per_node": m, "fabric": fabric}
+    dense = cc.all_reduce(size, **group)
+    out.update(intra_bytes=dense.intra_bytes, inter_bytes=dense.inter_bytes, seconds=dense.seconds)
     if payload is None or compressor == "none":
-        out["intra_bytes_compressed"], out["inter_bytes_compressed"] = out["intra_bytes"], out["inter_bytes"]
-        out["seconds_compressed"] = out["seconds"]
+        out.update(intra_bytes_compressed=dense.intra_bytes, inter_bytes_compressed=dense.inter_bytes,
+                   seconds_compressed=dense.seconds)
         return out
-    if not hierarchical or nodes == 1:
-        p_bytes, kind = payload(numel, n)
+
+    def collectives(p_bytes, kind, ranks, **where):
         if kind == "two_phase":
-            # phase 1, all-to-all: each rank sends (n-1)/n of P, the part for other nodes' ranks
-            # over its own NIC, the rest inside the node; phase 2: a ring all-gather of the segments
-            off = sum(c * (n - c) / n * p_bytes for c in per_node.values())
-            a2a = max(max((n - c) / n * p_bytes / (hw.inter_gbps * GB), (c - 1) / n * p_bytes / (hw.intra_gbps * GB))
-                      for c in per_node.values())
-            c_edge = (n - 1) / n * p_bytes
-            out["intra_bytes_compressed"] = (n - 1) * p_bytes - off + (n - crossing) * c_edge
-            out["inter_bytes_compressed"] = off + crossing * c_edge
-            out["seconds_compressed"] = a2a + c_edge / bottleneck
-            return out
-        c_edge = 2 * (n - 1) / n * p_bytes if kind == "all_reduce" else (n - 1) * p_bytes
-        out["intra_bytes_compressed"], out["inter_bytes_compressed"] = (n - crossing) * c_edge, crossing * c_edge
-        out["seconds_compressed"] = c_edge / bottleneck
-        return out
-    p_bytes, kind = payload(numel, nodes)
-    intra_edge = 2 * (m - 1) / m * size
-    rail = p_bytes / m
-    inter_edge = 2 * (nodes - 1) / nodes * rail if kind in ("all_reduce", "two_phase") else (nodes - 1) * rail
-    out["intra_bytes_compressed"] = nodes * m * intra_edge
-    out["inter_bytes_compressed"] = m * nodes * inter_edge
-    out["seconds_compressed"] = intra_edge / (hw.intra_gbps * GB) + inter_edge / (hw.inter_gbps * GB)
+            return [cc.all_to_all(p_bytes, **where), cc.all_gather(p_bytes, **where)]
+        if kind == "all_gather":
+            return [cc.all_gather(ranks * p_bytes, **where)]
+        return [cc.all_reduce(p_bytes, **where)]
+    if not hierarchical or nodes == 1:
+        steps = [(1, c) for c in collectives(*payload(numel, n), n, **group)]
+    else:
+        p_bytes, kind = payload(numel, nodes)
+        rails = collectives(p_bytes / m, kind, nodes, nodes=nodes, per_node=1, fabric=fabric)
+        steps = [(nodes, cc.all_reduce(size, nodes=1, per_node=m, fabric=fabric))] + [(m, c) for c in rails]
+    out["intra_bytes_compressed"] = sum(k * c.intra_bytes for k, c in steps)
+    out["inter_bytes_compressed"] = sum(k * c.inter_bytes for k, c in steps)
+    out["seconds_compressed"] = sum(c.seconds for _, c in steps)
     return out
 
 
