@@ -216,7 +216,7 @@ def test_recipe_value_errors(overrides, expected):
 def test_partition_method_is_checked_before_launch(tmp_path, capsys):
     assert "matches no layer" in _main_error(tmp_path, capsys, lambda c: c["pipeline"].update(partition="type:Foo"))
     assert "not a DeepSpeed partition method" in _main_error(
-        tmp_path, capsys, lambda c: c["pipeline"].update(partition="balanced"))
+        tmp_path, capsys, lambda c: c["pipeline"].update(partition="profile"))
 
 
 @pytest.mark.parametrize("mutate,world,expected", [

@@ -9,6 +9,7 @@ import pytest
 from ds_ext.config import load_config
 from ds_ext.errors import ConfigError
 from recipes import deepseek_v3
+from ds_ext.trainer import partition_for
 from recipes.layers.pipe import stage_parameter_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,7 @@ def test_stages_are_balanced_and_fit_the_model(name, world):
     config = deepseek_v3.make_config(s.recipe.preset, s.recipe.overrides)
     deepseek_v3.check_stages(config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
     rows = stage_parameter_counts(deepseek_v3.layer_specs(config, seed=0), stages=cfg.layout.pipe_stages,
-                                  schedule=s.schedule, partition_method=cfg.ds["pipeline"]["partition"])
+                                  schedule=s.schedule, partition_method=partition_for(cfg, deepseek_v3, config))
     params = [r["params"] for r in rows]
     assert max(params) / min(params) < 1.25, params
     # bf16 weights + fp32 gradient accumulation + ZeRO-1 shard of fp32 master/Adam states

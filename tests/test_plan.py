@@ -242,12 +242,15 @@ def test_too_large_config_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "pipeline rank 0 needs" in err and "of the 40 GB" in err and "optimizer" in err, err
-    no_ckpt = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 0}),
+    # the recipe's own cut (rank 0: the embedding and four decoder layers, with the head's chunk)
+    by_type = {"pipeline.partition": "type:DecoderLayerPipe"}
+    no_ckpt = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 0}, **by_type),
                         nodes=128, ranks_per_node=8, hardware=Hardware(memory_gb=60))
     assert not no_ckpt.fits and no_ckpt.stages[0].activations > 3 * no_ckpt.stages[0].activations_checkpointed
-    every_2 = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 2}),
+    every_2 = make_plan(_config(tmp_path, "128node.json", **{"pipeline.activation_checkpoint_interval": 2}, **by_type),
                         nodes=128, ranks_per_node=8)
-    with_1 = make_plan(os.path.join(ROOT, "ds_configs", "128node.json"), nodes=128, ranks_per_node=8)
+    (tmp_path / "one").mkdir()
+    with_1 = make_plan(_config(tmp_path / "one", "128node.json", **by_type), nodes=128, ranks_per_node=8)
     assert every_2.fits and all(a.activations_checkpointed < b.activations_checkpointed or a.rank == 0
                                 for a, b in zip(with_1.stages, every_2.stages))
 
