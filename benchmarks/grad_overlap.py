@@ -21,6 +21,7 @@ Every launch runs in fresh processes (launch/simcluster.py).
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -31,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 SCHEDULES = ("1f1b", "dualpipev-zb", "dualpipe", "dualpipev")
 
@@ -69,10 +70,11 @@ def _step_figures(engine, overlap):
     events = engine.timeline.events
     exposed = sum(e - s for n, _, s, e in events if n == "ReduceGrads")
     total = engine.grad_overlap.last_total_s if overlap else exposed
+    lead = engine.grad_overlap.last_lead_s if overlap else 0.0
     timed = sorted((s, e) for n, _, s, e in events if n not in ("GradReduce", "WaitGradReduce", "WaitRecv",
                                                                "AllToAll", "WaitAllToAll"))
-    gaps = [b[0] - a[1] for a, b in zip(timed, timed[1:]) if b[0] >= a[1]]
-    return exposed, total, gaps
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(timed) if b[0] >= a[1]]
+    return exposed, total, lead, gaps
 
 
 def _ranks(args):
@@ -88,7 +90,7 @@ def _ranks(args):
     rank = tdist.get_rank()
     schedule = args.schedules[0]
     engines = {overlap: _engine(schedule, overlap, args) for overlap in (False, True)}
-    figures = {overlap: {"step": [], "exposed": [], "total": [], "gaps": []} for overlap in engines}
+    figures = {overlap: {"step": [], "exposed": [], "total": [], "lead": [], "gaps": []} for overlap in engines}
     for i in range(args.warmup + args.steps):
         order = (False, True) if i % 2 == 0 else (True, False)
         for overlap in order:
@@ -99,17 +101,19 @@ def _ranks(args):
             engine.train_batch(it)
             tdist.barrier()
             if i >= args.warmup:
-                exposed, total, gaps = _step_figures(engine, overlap)
+                exposed, total, lead, gaps = _step_figures(engine, overlap)
                 f = figures[overlap]
                 f["step"].append(time.perf_counter() - t0)
                 f["exposed"].append(exposed)
                 f["total"].append(total)
+                f["lead"].append(lead)
                 f["gaps"] += gaps
     rows = []
     for overlap in (False, True):
         f = figures[overlap]
         mine = torch.tensor([statistics.median(f["step"]), statistics.median(f["exposed"]),
-                             statistics.median(f["total"]), statistics.median(f["gaps"]) if f["gaps"] else 0.0])
+                             statistics.median(f["total"]), statistics.median(f["gaps"]) if f["gaps"] else 0.0,
+                             statistics.median(f["lead"])])
         everyone = [torch.zeros_like(mine) for _ in range(tdist.get_world_size())]
         tdist.all_gather(everyone, mine)
         stack = torch.stack(everyone)
@@ -117,6 +121,9 @@ def _ranks(args):
                      "reduce_seconds_exposed": float(stack[:, 1].max()),
                      "reduce_seconds_total": float(stack[:, 2].max()),
                      "instruction_gap_us": float(stack[:, 3].median()) * 1e6,
+                     # per rank (global rank order): exposed, span, and how early the first chunk went out
+                     "per_rank": {"reduce_seconds_exposed": stack[:, 1].tolist(),
+                                  "reduce_seconds_total": stack[:, 2].tolist(), "lead_seconds": stack[:, 4].tolist()},
                      "steps_s": f["step"], "params_per_rank": engines[overlap][2]})
     if rank == 0:
         with open(args.rows_json, "w") as out:
@@ -135,7 +142,7 @@ def _launch(schedule, args, rows_json):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", "2", "--ranks-per-node", "2",
            "--rate", args.rate, "--tail", "0", "--", *script]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(rows_json):
         sys.exit(f"{schedule} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(rows_json) as f:
@@ -184,6 +191,10 @@ def main():
               f"{r['reduce_seconds_exposed']:9.3f} {r['reduce_seconds_total']:8.3f} "
               f"{r['reduce_seconds_exposed'] / r['step_seconds']:11.0%} {r['speedup']:7.2f}x "
               f"{r['instruction_gap_us']:12.0f}")
+        if r["overlap"]:
+            pr = r["per_rank"]
+            print(f"{'':<14} per rank: exposed {' '.join(f'{v:.3f}' for v in pr['reduce_seconds_exposed'])}; "
+                  f"first chunk out {' '.join(f'{v:.3f}' for v in pr['lead_seconds'])} s before ReduceGrads")
     write_figures(args.json, {"where": f"simulated cluster, 2 nodes x 2 ranks, {args.rate} between nodes",
                               "settings": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "micro_batch",
                                                                            "gas", "zero", "steps", "warmup")},

@@ -2,7 +2,7 @@
 after its last backward/W (ds_ext/pipe/grad_overlap.py).
 
 Single-process: which instruction ends each chunk in the zero-bubble DualPipeV stream
-(the W slots' first-in first-out order), DualPipe's shared issue order, the config key.
+(the W slots' first-in first-out order), DualPipe's shared issue order, the config key, the trace lane.
 Multi-rank (4 gloo ranks = 2 stages x 2 data-parallel, one process set for all cases):
 the same training with overlap on and off gives the same weights bitwise after 2 steps,
 for 1F1B, zero-bubble DualPipeV and DualPipe, ZeRO 0 and 1, fp32 and bf16 with fp32
@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from tests.distributed import run_ranks
-
 
 # -- single process ------------------------------------------------------------------
 
@@ -64,8 +63,8 @@ def test_dualpipe_pair_issues_stage_sums_in_one_order():
 
 
 def test_config_key_is_strict_and_refuses_zero_overlap_comm(tmp_path):
-    from tests.test_config import _error, _write
     from ds_ext.config import load_config
+    from tests.test_config import _error, _write
     msg = _error(tmp_path, lambda c: c["seekspeed"].update(overlap_grad_reduce="yes"))
     assert "seekspeed.overlap_grad_reduce" in msg
     cfg = load_config(_write(tmp_path, lambda c: c["seekspeed"].update(overlap_grad_reduce=True)), world_size=4)
@@ -78,22 +77,36 @@ def test_config_key_is_strict_and_refuses_zero_overlap_comm(tmp_path):
     assert "overlap_comm" in msg and "false" in msg
 
 
+def test_trace_shows_the_reduction_in_its_own_lane(tmp_path):
+    import json
+
+    from ds_ext.pipe.trace import DP_TID, from_engine_events, write_chrome_trace
+    events = [("BackwardPass", {"buffer_id": 0}, 0.0, 1.0), ("GradReduce", {"chunk": "1"}, 1.0, 3.0),
+              ("WaitGradReduce", {}, 2.5, 3.0), ("ReduceGrads", {}, 2.5, 3.1)]
+    lane = from_engine_events(events)
+    assert [k for k, *_ in lane] == ["B", "dp", "dp-wait", "other"] and "chunk 1" in lane[1][1]
+    write_chrome_trace([lane], tmp_path / "t.json")
+    tids = {e["name"]: e["tid"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"}
+    assert tids[lane[1][1]] == DP_TID and tids["BackwardPass b0"] == 0
+
+
 # -- multi-rank ------------------------------------------------------------------------
 
 CASES = {
-    "1f1b-zero0-fp32": dict(schedule="1f1b", zero=0, precision="fp32", comm=None),
-    "1f1b-zero1-bf16-fp32-accum": dict(schedule="1f1b", zero=1, precision="bf16-fp32-accum", comm=None),
-    "dualpipev-zb-zero1-fp32": dict(schedule="dualpipev-zb", zero=1, precision="fp32", comm=None),
-    "dualpipe-zero1-bf16-fp32-accum": dict(schedule="dualpipe", zero=1, precision="bf16-fp32-accum", comm=None),
-    "dualpipev-zb-zero0-fp32-topk": dict(schedule="dualpipev-zb", zero=0, precision="fp32",
-                                         comm={"compressor": "topk", "ratio": 0.1, "selection": "exact",
-                                               "min_numel": 256, "chunk_mb": 64}),
+    "1f1b-zero0-fp32": {"schedule": "1f1b", "zero": 0, "precision": "fp32", "comm": None},
+    "1f1b-zero1-bf16-fp32-accum": {"schedule": "1f1b", "zero": 1, "precision": "bf16-fp32-accum", "comm": None},
+    "dualpipev-zb-zero1-fp32": {"schedule": "dualpipev-zb", "zero": 1, "precision": "fp32", "comm": None},
+    "dualpipe-zero1-bf16-fp32-accum": {"schedule": "dualpipe", "zero": 1, "precision": "bf16-fp32-accum", "comm": None},
+    # top-k selects per tensor (exact: no sampling), so cutting the list into chunks changes nothing
+    "dualpipev-zb-zero0-fp32-topk": {"schedule": "dualpipev-zb", "zero": 0, "precision": "fp32",
+                                     "comm": {"compressor": "topk", "ratio": 0.1, "selection": "exact",
+                                              "min_numel": 256, "chunk_mb": 64}},
 }
 
 
 def _train(case, overlap):
-    from tests.test_comm_engine import engine_and_batches
     from ds_ext.pipe.engine import InstructionTimeline
+    from tests.test_comm_engine import engine_and_batches
     c = CASES[case]
     engine, batches = engine_and_batches(c["comm"], zero=c["zero"], precision=c["precision"], stages=2, gas=4,
                                          steps=2, schedule=c["schedule"], overrides={})

@@ -284,8 +284,7 @@ class GradOverlap:
         self.triggers = {}
         self.launched = set()
         self.step_started = False
-        self.last_wait_s = 0.0
-        self.last_total_s = 0.0
+        self.last_wait_s = self.last_total_s = self.last_lead_s = 0.0
         self._first_issue = None
         self._check()
 
@@ -399,6 +398,8 @@ class GradOverlap:
         end = time.perf_counter()
         self.last_wait_s = end - start
         self.last_total_s = end - self._first_issue if self._first_issue is not None else 0.0
+        # how long before ReduceGrads the first chunk went out: the most the reduction could hide
+        self.last_lead_s = start - self._first_issue if self._first_issue is not None else 0.0
         if self.engine.timeline is not None:
             self.engine.timeline.record("WaitGradReduce", {}, start, end)
         e = self.engine
