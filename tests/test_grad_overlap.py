@@ -104,28 +104,31 @@ CASES = {
 }
 
 
-def _train(case, overlap):
+def train(c, overlap, *, steps=2):
+    """2 x 2 ranks: a case of CASES trained ``steps`` steps, overlap on or off (also
+    benchmarks/grad_overlap_matrix.py's run)."""
     from ds_ext.pipe.engine import InstructionTimeline
     from tests.test_comm_engine import engine_and_batches
-    c = CASES[case]
     engine, batches = engine_and_batches(c["comm"], zero=c["zero"], precision=c["precision"], stages=2, gas=4,
-                                         steps=2, schedule=c["schedule"], overrides={})
+                                         steps=steps, schedule=c["schedule"], overrides={})
     if overlap:
         engine.enable_grad_overlap()
     losses = []
-    for _ in range(2):
+    for _ in range(steps):
         engine.timeline = InstructionTimeline()
         losses.append(engine.train_batch(batches).item())
     events = engine.timeline.events
     issued = [s for n, _, s, _ in events if n == "GradReduce"]
     work = [s for n, _, s, _ in events if n in ("BackwardPass", "WeightPass", "ForwardBackwardPass")]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    reducer = engine.grad_reducer
     return {"losses": losses, "state": state, "issued_before_last_work": bool(issued and min(issued) < max(work)),
-            "num_issued": len(issued)}
+            "num_issued": len(issued), "reducer_steps": reducer.steps if reducer else 0,
+            "compressed_numel": reducer.last.compressed_numel if reducer else 0}
 
 
 def _all_cases():
-    return {case: {"off": _train(case, False), "on": _train(case, True)} for case in CASES}
+    return {case: {"off": train(c, False), "on": train(c, True)} for case, c in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +145,10 @@ def test_overlapped_reduction_is_bitwise_deepspeeds(results, case):
         for name, want in off["state"].items():
             np.testing.assert_array_equal(on["state"][name], want, err_msg=f"rank {rank} {name}")
         assert off["num_issued"] == 0 and on["num_issued"] > 0
+        if CASES[case]["comm"]:
+            # the compressor ran, once per step, on both
+            assert on["reducer_steps"] == off["reducer_steps"] == 2
+            assert on["compressed_numel"] == off["compressed_numel"] > 0
         if CASES[case]["schedule"] != "1f1b":
             # two chunks per rank: the first one's reduction was in flight while the rank still computed
             assert on["issued_before_last_work"], rank

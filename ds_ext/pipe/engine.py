@@ -116,13 +116,14 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         cmds = [cmd for step in pipe_schedule.steps() for cmd in step]
-        if self.grad_overlap is not None:
-            self.grad_overlap.begin(cmds)
+        overlap = getattr(self, "grad_overlap", None)
+        if overlap is not None:
+            overlap.begin(cmds)
         with alltoall.recording(self.timeline):
             self._exec_commands(cmds)
 
     def _exec_commands(self, cmds):
-        overlap = self.grad_overlap
+        overlap = getattr(self, "grad_overlap", None)
         commits = [i for i, cmd in enumerate(cmds) if isinstance(cmd, ds_schedule.CommitP2P)]
         early = set()
         prepost = self._overlap and self.PREPOST_GROUPS > 0 and None not in self._recv_specs
@@ -443,7 +444,9 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
     if comm is not None:
         install(engine, comm, node_of=node_of, log=log)
     if overlap_grad_reduce:
-        engine.enable_grad_overlap()
+        grad_overlap = engine.enable_grad_overlap()
+        if dist.get_rank() == 0:
+            log(grad_overlap.describe())
     if checkpoint is not None:
         from ds_ext.checkpoint.engine import install as install_checkpoints
         install_checkpoints(engine, checkpoint, log=log)

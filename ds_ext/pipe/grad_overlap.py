@@ -343,6 +343,16 @@ class GradOverlap:
             chunks.setdefault(chunk, []).append(p)
         return chunks
 
+    def describe(self):
+        """The start-up log line."""
+        path = {"engine": "ZeRO 0 (DeepSpeed's buffered all-reduce)", "bf16": "DeepSpeed's BF16_Optimizer",
+                "zero1": "ZeRO 1 (DeepSpeedZeroOptimizer)"}[self.path]
+        chunks = sorted((c for c in self.chunks if c != FINAL), key=str)
+        return (f"overlap_grad_reduce: data-parallel reduction of {len(chunks)} chunk(s) per rank issued after each "
+                f"one's last backward/W, waited for at ReduceGrads; {path}"
+                + (f", through {self.engine.grad_reducer.name}" if self.engine.grad_reducer is not None else "")
+                + ("; tied/unassigned parameters at ReduceGrads" if FINAL in self.chunks else ""))
+
     # -- per step ----------------------------------------------------------------------
     def begin(self, cmds):
         """Before a training step's instructions run: which instruction ends each chunk."""
