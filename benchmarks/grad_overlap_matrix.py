@@ -6,11 +6,14 @@ else the largest weight difference relative to the largest weight change of the 
 and whether the losses stayed finite.
 
 Expected: bitwise for the dense path and for compressors that work element- or
-tensor-wise (fp32, bf16 on the wire, top-k with exact selection); the block codecs
-(int8, sign: one scale per block of the flat chunk) and PowerSGD (its random start Q is
-drawn per chunk key) compress each virtual stage on its own, so they differ from one
-reduction of everything by about what the compressor drops, as their own chunking of a
-larger model would.
+tensor-wise (fp32, bf16 on the wire, top-k with exact selection). The block codecs
+(int8, sign, momentum-sign: one scale per block of the flat chunk) are bitwise here only
+because every tensor of the tiny recipe is a whole number of blocks, so a chunk starts
+on a block boundary; in general their blocks fall elsewhere. Sampled top-k draws its
+samples in the order the chunks come, and PowerSGD's random start Q is drawn per chunk
+key (chunk 0 keeps the key of the unsplit reduction, so 1F1B's one chunk is bitwise):
+with two chunks per rank they differ from one reduction of everything by about what the
+compressor drops, as their own chunking of a larger model would.
 
     python benchmarks/grad_overlap_matrix.py --json benchmarks/results/grad_overlap_matrix.json
 """

@@ -489,8 +489,10 @@ class GradOverlap:
                  if id(p) in e.comm_dense_params}
         at = {"micro_step": e.micro_steps, "boundary": True, "dense": dense}
         dp_group = e.mpu.get_data_parallel_group()
+        # chunk 0 keeps the key of the reduction without overlap (1F1B's only chunk: the same
+        # compressor state and PowerSGD start as without it)
         yield from _wrap_reducer(reducer.reduce_steps([g for _, g in non_expert], group=dp_group,
-                                                      key=("dense", chunk),
+                                                      key="dense" if chunk == 0 else ("dense", chunk),
                                                       divide_by=dist.get_world_size(dp_group) if average else 1,
                                                       **at))
         if expert:
@@ -498,7 +500,7 @@ class GradOverlap:
             for name, items in sorted(expert.items()):
                 yield from _wrap_reducer(reducer.reduce_steps(
                     [g for _, g in items], group=groups._get_expert_data_parallel_group(name),
-                    key=(("expert", name), chunk), hierarchical=False, divide_by=dp_world if average else 1, **at))
+                    key=("expert", name) if chunk == 0 else (("expert", name), chunk), hierarchical=False, divide_by=dp_world if average else 1, **at))
 
 
 def dualpipe_issue_points(rank, stages, mine, partners):
