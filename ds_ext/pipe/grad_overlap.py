@@ -318,28 +318,23 @@ class GradOverlap:
                                       f"false")
 
     def _chunks(self):
-        """{chunk: parameters}, in module.parameters() order; FINAL: tied modules and
-        whatever no phase's layers own."""
+        """{chunk: parameters}, in module.parameters() order: the phase whose layers hold
+        them (DualPipeV/DualPipe modules' ``phase_bounds``; 1F1B: all in chunk 0), FINAL
+        for tied modules and whatever no phase's layers own."""
         module = self.engine.module
         tied = {id(p) for m in getattr(module, "tied_modules", {}).values() for p in m.parameters()}
-        bounds = getattr(module, "phase_bounds", None) or [(0, len(getattr(module, "forward_funcs", [])) or 10 ** 9)]
+        bounds = getattr(module, "phase_bounds", None)
         owner = {}
-        if getattr(module, "phase_bounds", None):
-            for phase, (start, stop) in enumerate(bounds):
-                for idx in range(start, stop):
-                    layer = getattr(module, str(idx), None)
-                    for p in (layer.parameters() if isinstance(layer, torch.nn.Module) else ()):
-                        owner.setdefault(id(p), phase)
+        for phase, (start, stop) in enumerate(bounds or ()):
+            for idx in range(start, stop):
+                layer = getattr(module, str(idx), None)
+                for p in (layer.parameters() if isinstance(layer, torch.nn.Module) else ()):
+                    owner.setdefault(id(p), phase)
         chunks = {}
         for p in module.parameters():
             if not p.requires_grad or not p.numel():
                 continue
-            if id(p) in tied:
-                chunk = FINAL
-            elif getattr(module, "phase_bounds", None):
-                chunk = owner.get(id(p), FINAL)
-            else:
-                chunk = 0
+            chunk = FINAL if id(p) in tied else owner.get(id(p), FINAL) if bounds else 0
             chunks.setdefault(chunk, []).append(p)
         return chunks
 
