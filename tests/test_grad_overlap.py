@@ -5,15 +5,16 @@ Single-process: which instruction ends each chunk in the zero-bubble DualPipeV s
 (the W slots' first-in first-out order), DualPipe's shared issue order, the config key, the trace lane.
 Multi-rank (4 gloo ranks = 2 stages x 2 data-parallel, one process set for all cases):
 the same training with overlap on and off gives the same weights bitwise after 2 steps,
-for 1F1B, zero-bubble DualPipeV and DualPipe, ZeRO 0 and 1, fp32 and bf16 with fp32
-accumulation (DeepSpeed's BF16_Optimizer), and top-k (exact selection, error feedback).
+for 1F1B, zero-bubble DualPipeV and DualPipe, each with ZeRO 0 and 1, fp32 and bf16
+(DeepSpeed's BF16_Optimizer, with fp32 accumulation under ZeRO 1), and each once with
+top-k (exact selection, error feedback).
 Why bitwise is the right test: an all-reduce is element-wise, so splitting the
 gradients into chunks and buckets only changes which collective an element travels in;
 with 2 ranks per data-parallel group each element's sum is a + b, and addition is
 commutative, so the collective's internal order cannot change it either (the scaling
 before/after the sum is DeepSpeed's, on the same dtype). And the reduction did overlap:
-in the zero-bubble run a chunk's reduction was issued before the rank's last backward
-work of the step. About 30 s on 2 quiet cores (50 s when the machine is busy).
+under the two-chunk schedules a chunk's reduction was issued before the rank's last backward
+work of the step. About 40 s on 2 quiet cores.
 """
 
 import numpy as np
@@ -92,15 +93,21 @@ def test_trace_shows_the_reduction_in_its_own_lane(tmp_path):
 
 # -- multi-rank ------------------------------------------------------------------------
 
+TOPK = {"compressor": "topk", "ratio": 0.1, "selection": "exact", "min_numel": 256, "chunk_mb": 64}
+# each schedule with ZeRO 0 and 1 (fp32, bf16 on DeepSpeed's BF16_Optimizer) and once with
+# top-k, which selects per tensor (exact: no sampling), so cutting the list into chunks
+# changes nothing; the full matrix is benchmarks/grad_overlap_matrix.py
 CASES = {
     "1f1b-zero0-fp32": {"schedule": "1f1b", "zero": 0, "precision": "fp32", "comm": None},
     "1f1b-zero1-bf16-fp32-accum": {"schedule": "1f1b", "zero": 1, "precision": "bf16-fp32-accum", "comm": None},
+    "1f1b-zero1-fp32-topk": {"schedule": "1f1b", "zero": 1, "precision": "fp32", "comm": TOPK},
+    "dualpipev-zb-zero0-bf16": {"schedule": "dualpipev-zb", "zero": 0, "precision": "bf16", "comm": None},
     "dualpipev-zb-zero1-fp32": {"schedule": "dualpipev-zb", "zero": 1, "precision": "fp32", "comm": None},
+    "dualpipev-zb-zero0-fp32-topk": {"schedule": "dualpipev-zb", "zero": 0, "precision": "fp32", "comm": TOPK},
+    "dualpipe-zero0-fp32": {"schedule": "dualpipe", "zero": 0, "precision": "fp32", "comm": None},
     "dualpipe-zero1-bf16-fp32-accum": {"schedule": "dualpipe", "zero": 1, "precision": "bf16-fp32-accum", "comm": None},
-    # top-k selects per tensor (exact: no sampling), so cutting the list into chunks changes nothing
-    "dualpipev-zb-zero0-fp32-topk": {"schedule": "dualpipev-zb", "zero": 0, "precision": "fp32",
-                                     "comm": {"compressor": "topk", "ratio": 0.1, "selection": "exact",
-                                              "min_numel": 256, "chunk_mb": 64}},
+    "dualpipe-zero1-bf16-fp32-accum-topk": {"schedule": "dualpipe", "zero": 1, "precision": "bf16-fp32-accum",
+                                            "comm": TOPK},
 }
 
 
