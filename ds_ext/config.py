@@ -7,6 +7,7 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
       "recipe":     {"name": "deepseek_v3", "preset": "tiny", "overrides": {...}},
       "schedule":   "1f1b" | "dualpipev" | "dualpipev-zb" | "dualpipe",
       "overlap":    "auto" | "layer" | "none",
+      "overlap_grad_reduce": false | true,
       "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},
@@ -15,6 +16,14 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
       "comm":       {"compressor": "topk", "ratio": 0.01, "hierarchical": true, ...},
       "report":     {"dir": null, "plots": true, "profile": "10:12"}
     }
+
+``overlap_grad_reduce`` (Megatron's name): each virtual stage's data-parallel gradient
+reduction is issued asynchronously once the schedule has run that stage's last backward
+(and, under the zero-bubble schedules, its last W) of the step, and waited for at
+ReduceGrads, so it runs while the rest of the pipeline drains (ds_ext/pipe/grad_overlap.py).
+Dense, it is bitwise DeepSpeed's own reduction; ZeRO stage 1 with
+``zero_optimization.overlap_comm`` true and a ``communication_data_type`` wider than the
+gradients under ZeRO 1 are refused.
 
 Pipeline degree, partitioning and activation checkpointing use DeepSpeed's own
 ``"pipeline"`` section (``stages``, ``partition``, ``activation_checkpoint_interval``);
@@ -382,6 +391,9 @@ class SeekspeedSection:
     # F&B chunks of dualpipev-zb/dualpipe interleaved per layer ("layer"), or not ("none");
     # "auto": "layer" when the model has MoE layers and expert_parallel_size > 1
     overlap: str = "auto"
+    # data-parallel gradient reduction issued per virtual stage as soon as the schedule is done
+    # with it, waited for at ReduceGrads (ds_ext/pipe/grad_overlap.py)
+    overlap_grad_reduce: bool = False
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -652,6 +664,17 @@ def check_momentum_target(ds, comm, where="seekspeed.comm"):
                           f"set {where}.target 'gradient'")
 
 
+def check_overlap_grad_reduce(ds, section, *, zero):
+    """The combinations ``seekspeed.overlap_grad_reduce`` cannot run, refused in one line."""
+    if not section.overlap_grad_reduce:
+        return
+    zero_cfg = ds.get("zero_optimization", {})
+    if zero == 1 and zero_cfg.get("overlap_comm") is True:
+        raise ConfigError("seekspeed.overlap_grad_reduce with zero_optimization.overlap_comm true: ZeRO's own "
+                          "overlap reduces from backward hooks, which a pipeline never runs at the boundary; set "
+                          "zero_optimization.overlap_comm false (seekspeed overlaps the reduction itself)")
+
+
 def resolve_layout(ds, *, world_size, section, path="config"):
     """The parallel layout and the warnings about keys DeepSpeed will ignore.
 
@@ -702,6 +725,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
     check_precision(ds, schedule=layout.schedule, zero=zero)
     check_momentum_target(ds, section.comm)
+    check_overlap_grad_reduce(ds, section, zero=zero)
     ep = section.moe.expert_parallel_size
     if dp % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "

@@ -124,6 +124,22 @@ class GradientReducer:
         """Average ``grads`` (a list of tensors) over ``group`` in place: the sum over
         its ranks times 1 / ``divide_by``. ``dense``: ids of tensors in ``grads`` to send
         uncompressed (``seekspeed.comm.dense_params``)."""
+        steps = self.reduce_steps(grads, group=group, divide_by=divide_by, key=key, hierarchical=hierarchical,
+                                  micro_step=micro_step, boundary=boundary, dense=dense)
+        for works in steps:
+            t0 = time.perf_counter()
+            for work in works:
+                work.wait()
+            self.stats.wait_s += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def reduce_steps(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True,
+                     dense=()):
+        """``reduce`` as a generator: it yields the collectives' work handles it would
+        wait for next and carries on once they are done (the caller waits, or polls and
+        resumes it later: ds_ext/pipe/grad_overlap.py), ending with ``grads`` averaged.
+        The inputs are copied out when it starts, so a caller may resume it after more
+        backward work has run (as long as that work leaves ``grads`` alone)."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
         comp = self.dense if self.warming_up else self.compressor
@@ -157,7 +173,7 @@ class GradientReducer:
             groups = self.node_groups if hierarchical else None
             for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
                 tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
-        self._drive(tasks)
+        yield from self._drive(tasks)
         if self.section.target == "momentum":
             self._update_momentum(buffers)
         for tensors, buf, _ in buffers:
@@ -287,20 +303,20 @@ class GradientReducer:
         inflight.append((gen, self._launch(req)))
 
     def _drive(self, tasks):
+        """Run the chunks' generators, up to ``pipeline_depth`` collectives in flight;
+        yields [work] for the oldest one whenever it must be complete to go on."""
         depth = max(1, self.section.pipeline_depth)
         inflight = deque()
 
         def finish_oldest():
             gen, work = inflight.popleft()
             if work is not None:
-                t0 = time.perf_counter()
-                work.wait()
-                self.stats.wait_s += time.perf_counter() - t0
+                yield [work]
             self._step(gen, False, inflight)
 
         for gen in tasks:
             self._step(gen, True, inflight)
             while len(inflight) >= depth:
-                finish_oldest()
+                yield from finish_oldest()
         while inflight:
-            finish_oldest()
+            yield from finish_oldest()

@@ -47,18 +47,24 @@ class _TimedSchedule:
     timeline = None
 
     def _exec_schedule(self, pipe_schedule):
-        if self.timeline is None:
+        overlap = getattr(self, "grad_overlap", None)
+        if self.timeline is None and overlap is None:
             return super()._exec_schedule(pipe_schedule)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
+        cmds = [cmd for step_cmds in pipe_schedule for cmd in step_cmds]
+        if overlap is not None:
+            overlap.begin(cmds)
         with alltoall.recording(self.timeline):
-            for step_cmds in pipe_schedule:
-                for cmd in step_cmds:
-                    if type(cmd) not in self._INSTRUCTION_MAP:
-                        raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
-                    start = time.perf_counter()
-                    self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+            for i, cmd in enumerate(cmds):
+                if type(cmd) not in self._INSTRUCTION_MAP:
+                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {repr(cmd)}")
+                start = time.perf_counter() if self.timeline is not None else 0.0
+                self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+                if self.timeline is not None:
                     self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
+                if overlap is not None:
+                    overlap.after(i)
 
 
 class _KeepAlive:
@@ -109,10 +115,15 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
         link, receives keep their order, so they still pair with the same sends."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
+        cmds = [cmd for step in pipe_schedule.steps() for cmd in step]
+        overlap = getattr(self, "grad_overlap", None)
+        if overlap is not None:
+            overlap.begin(cmds)
         with alltoall.recording(self.timeline):
-            self._exec_commands([cmd for step in pipe_schedule.steps() for cmd in step])
+            self._exec_commands(cmds)
 
     def _exec_commands(self, cmds):
+        overlap = getattr(self, "grad_overlap", None)
         commits = [i for i, cmd in enumerate(cmds) if isinstance(cmd, ds_schedule.CommitP2P)]
         early = set()
         prepost = self._overlap and self.PREPOST_GROUPS > 0 and None not in self._recv_specs
@@ -130,6 +141,8 @@ class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
                         self._run_instruction(cmds[j])
                         early.add(j)
             self._run_instruction(cmd)
+            if overlap is not None:
+                overlap.after(i)
 
     def _run_instruction(self, cmd):
         if type(cmd) not in self._INSTRUCTION_MAP:
@@ -384,6 +397,7 @@ def _engine_class(schedule, overlap="none"):
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from ds_ext.comm.install import CompressedReduction
     from ds_ext.checkpoint.engine import AsyncCheckpointing
+    from .grad_overlap import OverlappedReduction, with_overlap_map
     if overlap != "none" and schedule not in ZERO_BUBBLE_SCHEDULES:
         raise ValueError(f"overlap {overlap!r} interleaves F&B chunks, which only schedules "
                          f"{' and '.join(ZERO_BUBBLE_SCHEDULES)} have; schedule {schedule!r} takes overlap 'none'")
@@ -400,16 +414,17 @@ def _engine_class(schedule, overlap="none"):
     names = {"1f1b": "SeekspeedPipelineEngine", "dualpipev": "SeekspeedDualPipeVEngineAsIs"}
     name = names.get(schedule, base[0].__name__)
     # Mixins first: each falls through to DeepSpeed unless its part is installed
-    return type(name, (AsyncCheckpointing, CompressedReduction) + base, {}), extra
+    return with_overlap_map(type(name, (AsyncCheckpointing, OverlappedReduction, CompressedReduction) + base, {})), extra
 
 
 def initialize(*, model, config, model_parameters, schedule, overlap="none", comm=None, checkpoint=None, node_of=None,
-               log=print):
+               overlap_grad_reduce=False, log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
     needs (``overlap`` "layer": F&B chunks interleaved, see ds_ext/pipe/overlap.py); when
     ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
     compressed gradient reduction; when ``checkpoint`` (a ``seekspeed.checkpoint``
-    section) names engine async-zstd, that checkpoint engine. Follows deepspeed.initialize's pipeline branch
+    section) names engine async-zstd, that checkpoint engine; with ``overlap_grad_reduce``
+    the data-parallel reduction overlapped with the drain (ds_ext/pipe/grad_overlap.py). Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
     no hook for choosing the engine class. Returns the engine."""
     import deepspeed
@@ -428,6 +443,10 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
     engine._configure_python_gc()
     if comm is not None:
         install(engine, comm, node_of=node_of, log=log)
+    if overlap_grad_reduce:
+        grad_overlap = engine.enable_grad_overlap()
+        if dist.get_rank() == 0:
+            log(grad_overlap.describe())
     if checkpoint is not None:
         from ds_ext.checkpoint.engine import install as install_checkpoints
         install_checkpoints(engine, checkpoint, log=log)
