@@ -608,6 +608,18 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         notes.append(f"expert all-to-all: {flight * 1e3:,.1f} ms per step in flight on the busiest rank, "
                      f"{charged * 1e3:,.1f} ms charged (the wait column): the dispatch hidden behind the shared expert "
                      f"{how}")
+        ep_node_count = len(set(ep_nodes))
+        if ep_node_count > 1:
+            from ds_ext.profile.collectives import moe_dispatch
+            limited = mc.topk_group if mc.n_group == ep_node_count and mc.topk_group < mc.n_group else None
+            deepep, _ = moe_dispatch(tokens=tokens, token_bytes=h * a, nodes=ep_node_count,
+                                     per_node=max(map(ep_nodes.count, ep_nodes)), fabric=hw.fabric(),
+                                     num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
+                                     top_groups=limited, forwarding=True)
+            notes.append(f"one dispatch {a2a_cost.seconds * 1e3:,.2f} ms as ds_ext/comm/alltoall.py sends it (every "
+                         f"routed copy to its rank over {ep_node_count} nodes); forwarded as DeepEP does (a token "
+                         f"across once per node" + (f", at most {limited} nodes" if limited else "")
+                         + f"; not built here) it would take {deepep.seconds * 1e3:,.2f} ms")
     if comm.compressor != "none":
         dense_s = max(g["seconds"] for g in reductions)
         if comm.warmup_steps:
