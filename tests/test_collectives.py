@@ -126,9 +126,9 @@ def test_planner_reduction_is_the_models_all_reduce():
     fabric = Hardware().fabric()
     want = max(sum(cc.all_reduce(4 * numel, nodes=32, per_node=8, fabric=fabric).seconds
                    for numel in (st.params - st.expert_params, st.expert_params)) for st in plan.stages)
-    assert plan.dp_seconds == pytest.approx(want)
+    assert plan.dp_total_seconds == pytest.approx(want)         # the reduction's own time (the config overlaps it)
     one_nic_ring = 2 * 255 / 256 * 4 * max(st.params for st in plan.stages) / (25 * GB)
-    assert 5 < one_nic_ring / plan.dp_seconds < 10
+    assert 5 < one_nic_ring / plan.dp_total_seconds < 10
 
 
 def test_bad_hardware_names_the_flag(capsys):
