@@ -223,12 +223,20 @@ def test_production_configs_fit_and_report(tmp_path):
     groups = {t["group"]: t for t in figures["traffic"]}
     assert groups["data-parallel"]["inter_bytes"] > 0 and groups["pipeline"]["inter_bytes"] > 0
     assert 0 < figures["bubble_fraction"] < 0.5
+    # the JSON's per-rank busy seconds and the reduction's total beside what the step waits for
+    assert all(st["busy"] > 0 and st["reduce_seconds"] > 0 for st in figures["stages"])
+    assert figures["overlap_grad_reduce"] and 0 < figures["dp_seconds"] < figures["dp_total_seconds"]
+    v3 = make_plan(os.path.join(ROOT, "ds_configs", "128node_v3.json"), nodes=128, ranks_per_node=8)
+    assert v3.fits and v3.total_params > 670e9 and len(v3.stages) == 16 and v3.schedule == "dualpipev-zb"
 
 
 def test_compression_shrinks_the_inter_node_bytes(tmp_path):
-    dense = make_plan(os.path.join(ROOT, "ds_configs", "128node.json"), nodes=128, ranks_per_node=8)
+    (tmp_path / "dense").mkdir()
+    dense = make_plan(_config(tmp_path / "dense", "128node.json", **{"seekspeed.overlap_grad_reduce": False}),
+                      nodes=128, ranks_per_node=8)
     path = _config(tmp_path, "128node.json", **{"seekspeed.comm": {"compressor": "powersgd", "rank": 4,
-                                                                   "hierarchical": True}})
+                                                                   "hierarchical": True},
+                                                "seekspeed.overlap_grad_reduce": False})
     comp = make_plan(path, nodes=128, ranks_per_node=8)
     d = next(t for t in comp.traffic if t.group == "data-parallel")
     assert d.inter_bytes_compressed < 0.5 * d.inter_bytes
