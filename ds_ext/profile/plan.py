@@ -28,15 +28,20 @@ Memory per rank (bytes):
 
 Time per optimizer step: the simulator's makespan for per-chunk costs F (forward),
 B (backward: 2F, plus F recomputed under activation checkpointing), W (the weight
-gradient part) and the point-to-point transfer of one micro-batch, plus the
-data-parallel gradient reduction after the pipeline drains (ring all-reduce, or the
-compressor's collective and payload, ds_ext/comm/traffic.py: sign and int4 an all-to-all
-from each rank's NIC then a ring all-gather of the segments; hierarchical: dense inside
-the node, the rails across; routed experts' gradients always flat, as install.py reduces
-them), plus the optimizer step (memory bound). With ``warmup_steps`` the compressed figures
-are those after the dense warm-up (a note gives the warm-up's). Compute runs at
-``peak_tflops x efficiency``; FLOPs are 2 per activated parameter and token forward
-and causal attention's S^2 terms.
+gradient part) and the point-to-point transfer of one micro-batch, summed from each
+layer's own cost (``layer_cost`` in make_plan: matmul FLOPs at the GEMM rate, FP8's with
+``fp8_tflops``; attention's S^2 terms; the memory-bound passes at ``hbm_gbps``: kept
+activations, the embedding's rows, the head's logits), plus the data-parallel gradient
+reduction (ds_ext/profile/collectives.py: NCCL's ring or tree over the node's rails and
+NVLink, or the compressor's collectives and payload, ds_ext/comm/traffic.py: sign and
+int4 an all-to-all then an all-gather of the segments; hierarchical: dense inside the
+node, the rails across; routed experts' gradients always flat, as install.py reduces
+them) after the drain, or with ``seekspeed.overlap_grad_reduce`` each chunk's from its
+last backward and W on (only what is left after the pipeline counts), plus the optimizer
+step (memory bound). With ``warmup_steps`` the compressed figures are those after the
+dense warm-up (a note gives the warm-up's). ``pipeline.partition: "balanced"`` cuts the
+layers from those per-layer costs (recipes.layers.pipe.balanced_cut), costed on the
+config's own figures (``cut_hardware``) so every plan shows the cut the run makes.
 
 Expert all-to-all (expert parallelism > 1): each MoE layer moves the routed tokens'
 hidden states out and back (dispatch, combine), forward and backward, over the links
