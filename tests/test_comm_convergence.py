@@ -2,13 +2,16 @@
 recipe on 2 data-parallel ranks through the real deepspeed launcher, 300 steps of the
 config's AdamW (lr schedule as ds_configs/tiny_cpu.json), at the size of
 benchmarks/compression_convergence.py (the README's figures). Adam's momentum sent as
-signs (1 bit per entry, target momentum after a 60-step dense warm-up) and the gradient
-as int4 with error feedback both end near the dense run. About 5 minutes: three runs.
+signs (1 bit per entry, target momentum after a 60-step dense warm-up) ends near the
+dense run. About 3 minutes: two runs.
 
-The gradient compressors' other settings (top-k with DGC under SGD, PowerSGD, int8, and
-the seeds 0, 1, 2 of these) are measured by the benchmark, not here: each run costs
-about a minute and a half of CI, and their arithmetic and error feedback are checked
-exactly in test_comm.py, test_comm_engine.py and test_comm_momentum.py.
+The gradient compressors' settings (int4 with error feedback under AdamW, top-k with DGC
+under SGD, PowerSGD, int8, and the seeds 0, 1, 2 of these) are measured by the benchmark,
+not here: each run costs about a minute and a half of CI, and their arithmetic and error
+feedback are checked exactly in test_comm.py, test_comm_engine.py and
+test_comm_momentum.py. (int4's run left this test when the suite reached its 25-minute
+budget; benchmarks/results/compression_adamw.json has it within 0.5 % of dense on every
+seed.)
 
 A behavioural bound, not a derived one: 300 steps amplify every last-bit difference, so
 the compressed-to-dense ratio moves with the seed and with the CPU's kernels. Measured
@@ -23,15 +26,13 @@ pytestmark = pytest.mark.e2e
 BOUND_PCT = 3.0
 
 
-def test_adamw_runs_with_compressed_momentum_and_int4_end_near_dense():
+def test_adamw_runs_with_compressed_momentum_end_near_dense():
     from benchmarks.compression_convergence import main
-    rows = main(["--runs", "none", "momentum-sign", "int4-ef"])
+    rows = main(["--runs", "none", "momentum-sign"])
     by = {r["run"]: r for r in rows}
     dense = by["none"]["final_loss"]
     assert dense < by["none"]["first_loss"] - 3.0          # it trained
-    for name in ("momentum-sign", "int4-ef"):
-        assert by[name]["final_loss"] < dense * (1 + BOUND_PCT / 100), rows
-    # what they sent: sign's 1 bit plus a scale per 256 entries is about 1/28 of the dense
-    # fp32 ring's bytes, int4's about 1/7.8 (the small tensors dense in both)
+    assert by["momentum-sign"]["final_loss"] < dense * (1 + BOUND_PCT / 100), rows
+    # what it sent: sign's 1 bit plus a scale per 256 entries is about 1/28 of the dense
+    # fp32 ring's bytes (the small tensors dense)
     assert by["momentum-sign"]["bytes_per_step"] < by["none"]["dense_bytes_per_step"] / 16, rows
-    assert by["int4-ef"]["bytes_per_step"] < by["none"]["dense_bytes_per_step"] / 6, rows

@@ -412,40 +412,50 @@ def test_balanced_cut_is_the_best_cut(schedule, stages):
         assert _max_load(bounds, costs, schedule, stages) == pytest.approx(best, rel=1e-12), (costs, bounds)
 
 
-def _built_bounds(cfg_path, schedule):
+def _built_bounds(paths):
+    """Per schedule: DeepSpeed's parts and this rank's (start, stop) per held chunk."""
     from deepspeed.runtime.pipe.topology import ProcessTopology
     from ds_ext.config import load_config
     from ds_ext.trainer import partition_for
     from recipes import deepseek_v3
-    cfg = load_config(cfg_path, world_size=2)
-    config = deepseek_v3.make_config("tiny", cfg.section.recipe.overrides)
-    model = deepseek_v3.build_pipeline(config, topology=ProcessTopology(axes=["pipe", "data"], dims=[2, 1]),
-                                       schedule=schedule, partition_method=partition_for(cfg, deepseek_v3, config))
-    return list(model.parts), [list(b) for b in getattr(model, "phase_bounds", [(model._local_start,
-                                                                                  model._local_stop)])]
+    out = {}
+    for schedule, cfg_path in paths.items():
+        cfg = load_config(cfg_path, world_size=2)
+        config = deepseek_v3.make_config("tiny", cfg.section.recipe.overrides)
+        model = deepseek_v3.build_pipeline(config, topology=ProcessTopology(axes=["pipe", "data"], dims=[2, 1]),
+                                           schedule=schedule, partition_method=partition_for(cfg, deepseek_v3, config))
+        out[schedule] = (list(model.parts), [list(b) for b in getattr(model, "phase_bounds", [(model._local_start,
+                                                                                           model._local_stop)])])
+    return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev", "dualpipe"])
-def test_balanced_partition_builds_the_planned_cut(tmp_path, schedule):
-    """pipeline.partition "balanced" on a head-heavy tiny model: DeepSpeed's module is
-    cut where the planner cut it, the busiest rank is less busy than with the recipe's
-    default cut, and every rank holds the chunks the schedule gives it."""
+def test_balanced_partition_builds_the_planned_cut(tmp_path):
+    """pipeline.partition "balanced" on a head-heavy tiny model, for 1f1b, dualpipev and
+    dualpipe (the three module classes): DeepSpeed's module is cut where the planner cut
+    it, the busiest rank is less busy than with the recipe's default cut, and every rank
+    holds the chunks the schedule gives it."""
     from ds_ext.pipe import rank_chunks
     overrides = {"vocab_size": 16384, "num_hidden_layers": 8, "first_k_dense_replace": 8}
-    changes = {"seekspeed.schedule": schedule, "seekspeed.recipe.overrides": overrides,
-               "gradient_accumulation_steps": 8}
-    balanced = _config(tmp_path, "tiny_cpu.json", **changes, **{"pipeline.partition": "balanced"})
-    plan = make_plan(balanced, nodes=1, ranks_per_node=2)
-    (tmp_path / "default").mkdir()
-    default = make_plan(_config(tmp_path / "default", "tiny_cpu.json", **changes), nodes=1, ranks_per_node=2)
-    assert plan.partition == "balanced"
-    if schedule != "dualpipe":      # on 2 ranks each dualpipe rank holds both parts: every cut is balanced
-        assert plan.bounds != default.bounds
-        assert max(st.busy for st in plan.stages) < max(st.busy for st in default.stages)
-    built = run_ranks(_built_bounds, world_size=2, args=(balanced, schedule), timeout=120)
-    for rank, (parts, phases) in enumerate(built):
-        assert parts == plan.bounds
-        assert phases == [[plan.bounds[p], plan.bounds[p + 1]] for p in rank_chunks(schedule, rank=rank, stages=2)]
+    plans, paths = {}, {}
+    for schedule in ("1f1b", "dualpipev", "dualpipe"):
+        changes = {"seekspeed.schedule": schedule, "seekspeed.recipe.overrides": overrides,
+                   "gradient_accumulation_steps": 8}
+        (tmp_path / schedule / "default").mkdir(parents=True)
+        paths[schedule] = _config(tmp_path / schedule, "tiny_cpu.json", **changes,
+                                  **{"pipeline.partition": "balanced"})
+        plans[schedule] = plan = make_plan(paths[schedule], nodes=1, ranks_per_node=2)
+        default = make_plan(_config(tmp_path / schedule / "default", "tiny_cpu.json", **changes), nodes=1,
+                            ranks_per_node=2)
+        assert plan.partition == "balanced"
+        if schedule != "dualpipe":      # on 2 ranks each dualpipe rank holds both parts: every cut is balanced
+            assert plan.bounds != default.bounds
+            assert max(st.busy for st in plan.stages) < max(st.busy for st in default.stages)
+    built = run_ranks(_built_bounds, world_size=2, args=(paths,), timeout=180)
+    for rank, per_schedule in enumerate(built):
+        for schedule, (parts, phases) in per_schedule.items():
+            bounds = plans[schedule].bounds
+            assert parts == bounds, schedule
+            assert phases == [[bounds[p], bounds[p + 1]] for p in rank_chunks(schedule, rank=rank, stages=2)]
 
 
 def test_balanced_partition_names_a_layer_the_planner_cannot_cost():
