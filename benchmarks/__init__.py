@@ -71,3 +71,49 @@ def launch(script_args, *, world, summary_json, what):
         sys.exit(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     with open(summary_json) as f:
         return json.load(f)
+
+
+def simcluster_cmd(script, *, nodes, ranks_per_node, rate):
+    """launch/simcluster.py running ``script`` (argv) on ``nodes`` x ``ranks_per_node``."""
+    return [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", str(nodes), "--ranks-per-node",
+            str(ranks_per_node), "--rate", rate, "--tail", "0", "--", *script]
+
+
+def run_for_rows(cmd, rows_json, *, name):
+    """Run ``cmd`` (one thread per rank, CPU accelerator) and return the JSON its rank 0
+    wrote to ``rows_json``; exit with the output's tail when it failed."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(rows_json):
+        sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(rows_json) as f:
+        return json.load(f)
+
+
+def oneway_bytes_per_s(dist, peer, nbytes):
+    """Payload bytes/s from rank 0 to ``peer``, one way (the receiver's ack closes the
+    timing), on every rank (broadcast from 0); ``dist``: torch.distributed."""
+    import time
+
+    import torch
+    buf = torch.ones(nbytes // 4)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if dist.get_rank() == 0:
+        dist.send(buf, peer)
+        dist.recv(buf[:1], peer)
+    elif dist.get_rank() == peer:
+        dist.recv(buf, 0)
+        dist.send(buf[:1], 0)
+    out = torch.tensor([nbytes / (time.perf_counter() - t0)], dtype=torch.float64)
+    dist.broadcast(out, 0)
+    return float(out)
+
+
+def add_output_args(parser):
+    """--json (the figures), and what a rank launched by the script itself is given:
+    --rows-json (where rank 0 writes its rows) and the launcher's --local_rank."""
+    import argparse
+    parser.add_argument("--json")
+    parser.add_argument("--rows-json", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)

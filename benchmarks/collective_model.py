@@ -133,19 +133,8 @@ def _worker(args):
     rank, world, per_node = dist.get_rank(), dist.get_world_size(), args.per_node
 
     def rate(peer, nbytes):
-        """Payload bytes/s from rank 0 to ``peer``, one way (the receiver's ack closes it)."""
-        buf = torch.ones(nbytes // 4)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(buf[:1], peer)
-        elif rank == peer:
-            dist.recv(buf, 0)
-            dist.send(buf[:1], 0)
-        out = torch.tensor([nbytes / (time.perf_counter() - t0)], dtype=torch.float64)
-        dist.broadcast(out, 0)
-        return float(out)
+        from benchmarks import oneway_bytes_per_s
+        return oneway_bytes_per_s(dist, peer, nbytes)
 
     def latency(peer, rounds=20):
         """Half a 4-byte round trip between rank 0 and ``peer`` (median)."""

@@ -24,14 +24,13 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures  # noqa: E402
 
 METHODS = {
     "deepspeed-dense": None,
@@ -279,14 +278,8 @@ def _launch(method, args, rows_json):
                str(args.nodes * args.ranks_per_node), "--master_port", str(29650 + len(method)), *script,
                "--ranks-per-node", str(args.ranks_per_node), "--iface", "lo-none"]
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", str(args.nodes),
-               "--ranks-per-node", str(args.ranks_per_node), "--rate", args.rate, "--tail", "0", "--", *script]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not os.path.exists(rows_json):
-        sys.exit(f"{method} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(rows_json) as f:
-        return json.load(f)
+        cmd = simcluster_cmd(script, nodes=args.nodes, ranks_per_node=args.ranks_per_node, rate=args.rate)
+    return run_for_rows(cmd, rows_json, name=method)
 
 
 def main():
@@ -300,9 +293,7 @@ def main():
     p.add_argument("--rate", default="1gbit", help="inter-node link of the simulated cluster")
     p.add_argument("--loopback", action="store_true", help="all ranks on this machine's loopback, no namespaces")
     p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME", "eth0"))
-    p.add_argument("--json")
-    p.add_argument("--rows-json", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    add_output_args(p)
     args = p.parse_args()
     if args.rows_json:
         return _ranks(args)

@@ -25,14 +25,13 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures
+from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures
 
 SCHEDULES = ("1f1b", "dualpipev-zb", "dualpipe", "dualpipev")
 
@@ -139,14 +138,7 @@ def _launch(schedule, args, rows_json):
     script = [os.path.abspath(__file__), "--schedules", schedule, "--rows-json", rows_json,
               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                 ("steps", "warmup", "layers", "hidden", "seq", "micro_batch", "gas", "zero")]]
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", "2", "--ranks-per-node", "2",
-           "--rate", args.rate, "--tail", "0", "--", *script]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not os.path.exists(rows_json):
-        sys.exit(f"{schedule} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(rows_json) as f:
-        return json.load(f)
+    return run_for_rows(simcluster_cmd(script, nodes=2, ranks_per_node=2, rate=args.rate), rows_json, name=schedule)
 
 
 def main():
@@ -161,9 +153,7 @@ def main():
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--gas", type=int, default=8)
     p.add_argument("--zero", type=int, default=1, choices=(0, 1))
-    p.add_argument("--json")
-    p.add_argument("--rows-json", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    add_output_args(p)
     args = p.parse_args()
     if args.rows_json:
         return _ranks(args)

@@ -49,18 +49,8 @@ def main():
     groups = NodeGroups.contiguous(world, per_node)
 
     # the inter-node link's payload rate: 64 MiB from node 0 to node 1, one way
-    probe = torch.ones(16 * 2**20)
-    tdist.barrier()
-    t0 = time.perf_counter()
-    if rank == 0:
-        tdist.send(probe, per_node)
-        tdist.recv(probe[:1], per_node)
-    elif rank == per_node:
-        tdist.recv(probe, 0)
-        tdist.send(probe[:1], 0)
-    link = torch.tensor([probe.numel() * 4 / (time.perf_counter() - t0)])
-    tdist.broadcast(link, 0 if rank == 0 else 0)
-    link_bps = float(link.item())
+    from benchmarks import oneway_bytes_per_s
+    link_bps = oneway_bytes_per_s(tdist, per_node, 64 * 2**20)
 
     rows = []
     for mib in args.sizes:

@@ -173,6 +173,20 @@ def optimizer_gradients(optimizer, params):
     return [p.grad for p in params]
 
 
+def copy_sum_buckets(grads):
+    """(bucket, its fp32 flat copy) of consecutive gradients of at most COPY_SUM_BUCKET
+    elements (a larger tensor alone): the buckets the copies' sum runs in."""
+    start = 0
+    while start < len(grads):
+        stop, size = start, 0
+        while stop < len(grads) and (stop == start or size + grads[stop].numel() <= COPY_SUM_BUCKET):
+            size += grads[stop].numel()
+            stop += 1
+        bucket = grads[start:stop]
+        yield bucket, torch.cat([g.reshape(-1).float() for g in bucket])
+        start = stop
+
+
 def sum_copy_gradients(module, group, *, optimizer=None):
     """Sum the gradients of the two copies of each stage (this rank's and its
     partner's) where ``optimizer`` keeps them (``optimizer_gradients``), adding in
@@ -181,17 +195,9 @@ def sum_copy_gradients(module, group, *, optimizer=None):
     bits."""
     params = [p for p in module.copy_parameters() if p.requires_grad]
     grads = optimizer_gradients(optimizer, params)
-    start = 0
-    while start < len(grads):
-        stop, size = start, 0
-        while stop < len(grads) and (stop == start or size + grads[stop].numel() <= COPY_SUM_BUCKET):
-            size += grads[stop].numel()
-            stop += 1
-        bucket = grads[start:stop]
-        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+    for bucket, flat in copy_sum_buckets(grads):
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        start = stop

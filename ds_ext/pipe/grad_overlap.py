@@ -247,17 +247,8 @@ def zero1_buckets(opt, pairs):
 def copy_sum(grads, group):
     """dualpipe.sum_copy_gradients's all-reduce (fp32, in its buckets) of one stage's
     gradients with the partner's copy, issued asynchronously."""
-    from .dualpipe import COPY_SUM_BUCKET
-    pending, start = [], 0
-    while start < len(grads):
-        stop, size = start, 0
-        while stop < len(grads) and (stop == start or size + grads[stop].numel() <= COPY_SUM_BUCKET):
-            size += grads[stop].numel()
-            stop += 1
-        bucket = grads[start:stop]
-        flat = torch.cat([g.reshape(-1).float() for g in bucket])
-        pending.append((bucket, flat, _allreduce(flat, group)))
-        start = stop
+    from .dualpipe import copy_sum_buckets
+    pending = [(bucket, flat, _allreduce(flat, group)) for bucket, flat in copy_sum_buckets(grads)]
     yield [p[-1] for p in pending], True
     for bucket, flat, _ in pending:
         offset = 0
