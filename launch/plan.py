@@ -114,8 +114,9 @@ def report(plan):
               f"{plan.bubble / plan.makespan:.1%} on the least busy) + gradient reduction {plan.dp_seconds * 1e3:.1f} ms"
               + (f" (exposed of {plan.dp_total_seconds * 1e3:.1f} ms: each chunk reduces after its last backward)"
                  if plan.overlap_grad_reduce else "")
-              + f" + optimizer "
-              f"{plan.optimizer_seconds * 1e3:.1f} ms = {plan.step_seconds:.3f} s predicted; "
+              + " + optimizer step"
+              + (" and ZeRO's all-gather " if plan.zero_stage >= 1 and plan.layout["data_parallel"] > 1 else " ")
+              + f"{plan.optimizer_seconds * 1e3:.1f} ms = {plan.step_seconds:.3f} s predicted; "
               f"{plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / (plan.nodes * plan.ranks_per_node):,.0f} per GPU)"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -38,7 +38,8 @@ int4 an all-to-all then an all-gather of the segments; hierarchical: dense insid
 node, the rails across; routed experts' gradients always flat, as install.py reduces
 them) after the drain, or with ``seekspeed.overlap_grad_reduce`` each chunk's from its
 last backward and W on (only what is left after the pipeline counts), plus the optimizer
-step (memory bound). With ``warmup_steps`` the compressed figures are those after the
+step (memory bound; under ZeRO 1 with the all-gather of the updated weights over the
+data-parallel groups). With ``warmup_steps`` the compressed figures are those after the
 dense warm-up (a note gives the warm-up's). ``pipeline.partition: "balanced"`` cuts the
 layers from those per-layer costs (recipes.layers.pipe.balanced_cut), costed on the
 config's own figures (``cut_hardware``) so every plan shows the cut the run makes.
@@ -602,6 +603,20 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         dp_seconds = max(0.0, max(ends) - sim.makespan)
     biggest = max(stages, key=lambda st: st.params)
     optimizer_seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
+    if zero >= 1 and dp > 1:
+        # ZeRO 1: each rank steps its shard, then the updated weights are all-gathered over
+        # the data-parallel group (routed experts over theirs), on the same links
+        from ds_ext.profile.collectives import all_gather
+
+        def gather(numel, members):
+            counts = {m: members.count(m) for m in members}
+            if numel == 0 or len(members) < 2:
+                return 0.0
+            return all_gather(numel * w_bytes, nodes=len(counts), per_node=max(counts.values()),
+                              fabric=hw.fabric()).seconds
+        optimizer_seconds += max(gather(st.params - st.expert_params, [node(rank, d) for d in range(dp)])
+                                 + gather(st.expert_params, [node(rank, d) for d in range(0, dp, ep)])
+                                 for rank, st in enumerate(stages))
     unique = sum(full[i]["params"] for i in held_once(full_specs, range(len(full_specs))))
     notes = []
     if ep > 1:
