@@ -74,8 +74,10 @@ def _trainer_rank(argv):
 RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine, data pipeline
     "1f1b": ("tiny_cpu.json", 2, 1, "deepspeed", "memory"),
     "1f1b-async-zstd-tiered": ("tiny_cpu.json", 2, 1, "async-zstd", "tiered"),
-    "dualpipev": ("tiny_dualpipev_cpu.json", 2, 1, "deepspeed", "memory"),
 }
+# DualPipeV's resume (DeepSpeed's engine, the zero-bubble one) is tested bitwise in
+# test_reshard.py (dualpipev-zb on more, then fewer replicas) and test_comm_state.py;
+# its run here left the suite at its 25-minute budget.
 
 
 @pytest.mark.multirank
