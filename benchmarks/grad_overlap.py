@@ -141,19 +141,24 @@ def _launch(schedule, args, rows_json):
     return run_for_rows(simcluster_cmd(script, nodes=2, ranks_per_node=2, rate=args.rate), rows_json, name=schedule)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedules", nargs="+", default=["1f1b", "dualpipev-zb", "dualpipe"], choices=SCHEDULES)
-    p.add_argument("--rate", default="200mbit", help="inter-node link of the simulated cluster")
-    p.add_argument("--steps", type=int, default=6)
+def add_run_args(p, *, schedules, rate, steps, gas):
+    """The run's flags (also benchmarks/plan_simcluster.py's, which runs these ranks)."""
+    p.add_argument("--schedules", nargs="+", default=schedules, choices=SCHEDULES)
+    p.add_argument("--rate", default=rate, help="inter-node link of the simulated cluster")
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--gas", type=int, default=8)
+    p.add_argument("--gas", type=int, default=gas)
     p.add_argument("--zero", type=int, default=1, choices=(0, 1))
     add_output_args(p)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p, schedules=["1f1b", "dualpipev-zb", "dualpipe"], rate="200mbit", steps=6, gas=8)
     args = p.parse_args()
     if args.rows_json:
         return _ranks(args)

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import grad_overlap, machine_line, write_figures  # noqa: E402
+from benchmarks import grad_overlap, machine_line, run_for_rows, simcluster_cmd, write_figures  # noqa: E402
 
 SCHEDULES = ("1f1b", "dualpipev-zb")
 SETTINGS = ("steps", "warmup", "layers", "hidden", "seq", "micro_batch", "gas", "zero")
@@ -132,14 +131,7 @@ def _ranks(args):
 def _launch(schedule, args, rows_json):
     script = [os.path.abspath(__file__), "--schedules", schedule, "--rows-json", rows_json,
               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SETTINGS]]
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "simcluster.py"), "--nodes", "2", "--ranks-per-node", "2",
-           "--rate", args.rate, "--tail", "0", "--", *script]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not os.path.exists(rows_json):
-        sys.exit(f"{schedule} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(rows_json) as f:
-        return json.load(f)
+    return run_for_rows(simcluster_cmd(script, nodes=2, ranks_per_node=2, rate=args.rate), rows_json, name=schedule)
 
 
 # ---- predicted ------------------------------------------------------------------------
@@ -186,19 +178,7 @@ def hardware(flops, links):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=grad_overlap.SCHEDULES)
-    p.add_argument("--rate", default="300mbit", help="inter-node link of the simulated cluster")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--gas", type=int, default=4)
-    p.add_argument("--zero", type=int, default=1, choices=(0, 1))
-    p.add_argument("--json")
-    p.add_argument("--rows-json", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    grad_overlap.add_run_args(p, schedules=list(SCHEDULES), rate="300mbit", steps=8, gas=4)
     args = p.parse_args()
     if args.rows_json:
         return _ranks(args)
