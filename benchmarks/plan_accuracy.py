@@ -44,7 +44,7 @@ def calibrate_flops(config_path, *, repeats=5):
     with the planner's FLOP model."""
     import torch
     from ds_ext.config import load_config
-    from ds_ext.profile.plan import attention_flops
+    from recipes.layers.costs import full_attention_flops
     from recipes import get_recipe
     from recipes.layers.pipe import CausalLMLoss, SequentialReference, activated_parameters
     torch.set_num_threads(1)
@@ -56,7 +56,7 @@ def calibrate_flops(config_path, *, repeats=5):
     model = SequentialReference(specs, loss_fn=CausalLMLoss())
     tokens = lay.micro_batch * lay.seq_len
     layers = mc.num_hidden_layers + mc.num_mtp_layers
-    flops = 3 * tokens * (2 * activated_parameters(specs) + layers * attention_flops(mc, seq_len=lay.seq_len))
+    flops = 3 * tokens * (2 * activated_parameters(specs) + layers * full_attention_flops(mc, seq_len=lay.seq_len))
     x = torch.randint(0, mc.vocab_size, (lay.micro_batch, lay.seq_len))
     times = []
     for _ in range(repeats + 1):

@@ -52,14 +52,13 @@ def read_weight_pieces(tag, config):
     A piece is one layer file, one stage's dense weights, or one MoE layer's experts.
     Every file is read through checkpoint.load (either engine's format, verified,
     restricted unpickling)."""
-    from recipes.layers.hf import embedding_is_tied, positions
+    from recipes.layers.hf import HFLayout
     layers = {kind_of(name)[1]["layer"]: name for name in tag.files("layer")}
     if layers:
-        for position in range(positions(config)["head"] + 1):
-            if position not in layers:
-                continue
-            prefix = "tied_modules.embed." if position == 0 and embedding_is_tied(config) else f"{position}."
-            yield {prefix + k: v for k, v in tag.load(layers[position]).items()}
+        prefixes = HFLayout.of(config).file_prefix
+        for position in sorted(layers):
+            if position in prefixes:
+                yield {prefixes[position] + k: v for k, v in tag.load(layers[position]).items()}
         return
     experts = {}
     for name in tag.files("expert"):
@@ -82,12 +81,11 @@ def open_checkpoint(ckpt_dir, tag=None):
     """(checkpoint.load.Tag, recipe, recipe config, seekspeed meta) of a seekspeed
     checkpoint, every weight file checked (manifest, allowed types) before any is read."""
     from recipes import get_recipe
-    from ds_ext.schema import from_dict
     ckpt = open_tag(ckpt_dir, tag)
     recipe_name, fields, meta = checkpoint_model_config(ckpt)
     ckpt.check(weight_files(ckpt))
     recipe = get_recipe(recipe_name)
-    config = from_dict(recipe.DeepseekV3Config, fields, where="checkpoint model_config")
+    config = recipe.config_from_fields(fields, where="checkpoint model_config")
     return ckpt, recipe, config, meta
 
 
@@ -141,10 +139,14 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint, one
     piece of the checkpoint in memory at a time. Nothing appears at ``out_dir``
     unless the whole export succeeds."""
-    from recipes.layers.hf import to_hf_state_dict
+    from recipes.layers.hf import HFLayout, to_hf_state_dict
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir} exists and is not empty: choose a new directory")
     ckpt, recipe, config, _ = open_checkpoint(ckpt_dir, tag)
+    if recipe.hf is None:
+        raise ConfigError(f"recipe {recipe.name} has no transformers counterpart (its spec's hf is None): it cannot "
+                          f"be exported; give its RecipeSpec a TransformersAdapter (recipes/spec.py)")
+    layout = HFLayout.of(config)
     tag_dir = ckpt.path
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -152,7 +154,7 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     try:
         writer, written, saved_dtype = _ShardWriter(tmp, max_shard_bytes), set(), None
         for number, piece in enumerate(read_weight_pieces(ckpt, config)):
-            for name, tensor in to_hf_state_dict(piece, config).items():
+            for name, tensor in to_hf_state_dict(piece, layout).items():
                 if name in written:       # a tied embedding appears on two stages
                     continue
                 written.add(name)
@@ -161,12 +163,12 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
                     tensor = tensor.to(_DTYPES[dtype])
                 writer.add(name, tensor)
             log(f"export: piece {number + 1} ({len(written)} tensors so far)")
-        expected = _expected_hf_keys(recipe, config)
+        expected = _expected_hf_keys(recipe, config, layout)
         if written != expected:
             missing = sorted(expected - written)[:3]
             raise ConfigError(f"{tag_dir}: the checkpoint lacks {missing}: incomplete checkpoint")
         files = writer.finish()
-        hf_config = config.to_hf_config()
+        hf_config = recipe.hf.to_hf_config(config)
         hf_config.dtype = _DTYPES[dtype] if dtype else saved_dtype
         hf_config.save_pretrained(tmp)
         if os.path.exists(out_dir):   # an existing empty directory
@@ -179,7 +181,7 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     return {"out": out_dir, "files": files, "bytes": writer.total, "tag_dir": tag_dir}
 
 
-def _expected_hf_keys(recipe, config):
+def _expected_hf_keys(recipe, config, layout):
     """Every transformers tensor name the recipe's model has (built on the meta device)."""
     from recipes.layers.hf import pipeline_to_hf_key
     keys = set()
@@ -189,7 +191,7 @@ def _expected_hf_keys(recipe, config):
         with torch.device("meta"):
             module = spec.build()
         prefix = f"tied_modules.{spec.key}." if hasattr(spec, "key") else f"{position}."
-        keys.update(pipeline_to_hf_key(prefix + name, config)[0] for name in module.state_dict())
+        keys.update(pipeline_to_hf_key(prefix + name, layout)[0] for name in module.state_dict())
     return keys
 
 
@@ -202,7 +204,13 @@ def _move_into(tmp, out_dir):
 # ---- import ------------------------------------------------------------------------
 
 def check_hf_dir(hf_dir, config, *, where="seekspeed.init_from"):
-    """The directory holds config.json and weights, and its config is this recipe's."""
+    """The directory holds config.json and weights, and its config is this recipe's
+    (the same transformers model_type and the spec's identity_fields)."""
+    from recipes import spec_for
+    recipe = spec_for(config)
+    if recipe.hf is None:
+        raise ConfigError(f"{where}: recipe {recipe.name} has no transformers counterpart (its spec's hf is None), so "
+                          f"it cannot start from a transformers directory")
     if not os.path.isdir(hf_dir):
         raise ConfigError(f"{where} {hf_dir} does not exist")
     path = os.path.join(hf_dir, "config.json")
@@ -212,10 +220,11 @@ def check_hf_dir(hf_dir, config, *, where="seekspeed.init_from"):
         raise ConfigError(f"{where} {hf_dir} has neither {INDEX} nor {SINGLE}")
     with open(path) as f:
         theirs = json.load(f)
-    ours = config.to_hf_config().to_dict()
-    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace"]
+    ours = recipe.hf.to_hf_config(config).to_dict()
+    if theirs.get("model_type") not in (None, ours.get("model_type")):
+        raise ConfigError(f"{where} {hf_dir} is a {theirs['model_type']!r} model, and recipe {recipe.name} is "
+                          f"{ours.get('model_type')!r}: choose the recipe of that model")
+    keys = recipe.hf.identity_fields
     diff = [f"{k} {theirs.get(k)!r} (recipe: {ours.get(k)!r})" for k in keys if theirs.get(k) != ours.get(k)]
     if diff:
         raise ConfigError(f"{where} {hf_dir} is another model: {'; '.join(diff)}; set recipe.overrides to match")
@@ -225,7 +234,7 @@ def load_hf_into_module(module, hf_dir, config):
     """Copy the tensors of ``module``'s own layers from ``hf_dir``; returns how many.
     A missing or misshaped tensor is a ConfigError naming it and the expected shape."""
     from safetensors import safe_open
-    from recipes.layers.hf import first_expert, pipeline_to_hf_key
+    from recipes.layers.hf import HFLayout, first_expert, pipeline_to_hf_key
     index_path = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -233,10 +242,10 @@ def load_hf_into_module(module, hf_dir, config):
     else:
         with safe_open(os.path.join(hf_dir, SINGLE), framework="pt") as f:
             weight_map = {k: SINGLE for k in f.keys()}
-    offset = first_expert(module)
+    offset, layout = first_expert(module), HFLayout.of(config)
     wanted = {}
     for key, tensor in module.state_dict().items():
-        hf_key, index = pipeline_to_hf_key(key, config)
+        hf_key, index = pipeline_to_hf_key(key, layout)
         expected = list(tensor.shape) if index is None else [config.n_routed_experts] + list(tensor.shape)
         if hf_key not in weight_map:
             raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {expected})")
@@ -259,7 +268,8 @@ def load_hf_into_module(module, hf_dir, config):
 # ---- a whole model in one process (generation, inspection) --------------------------
 
 def load_checkpoint_model(ckpt_dir, *, tag=None):
-    """(recipe config, SequentialReference, training meta) from a pipeline checkpoint."""
+    """(recipe config, SequentialReference, training meta) from a pipeline checkpoint
+    (recipes.spec_for(config) is its recipe)."""
     from recipes.layers.pipe import SequentialReference
     ckpt, recipe, config, meta = open_checkpoint(ckpt_dir, tag)
     model = SequentialReference(recipe.layer_specs(config, seed=0))
@@ -273,21 +283,32 @@ def load_checkpoint_model(ckpt_dir, *, tag=None):
     return config, model.eval(), meta
 
 
-def load_hf_model(hf_dir, *, recipe_name="deepseek_v3"):
-    """(recipe config, SequentialReference) from a transformers-format directory."""
-    from recipes import get_recipe
+def recipe_of_hf_dir(hf_dir, *, where="--hf"):
+    """The registered recipe whose transformers model_type the directory's config.json names."""
+    from recipes import RECIPES, get_recipe
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where} {hf_dir} has no config.json: not a transformers model directory")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    specs = [get_recipe(n) for n in RECIPES]
+    for spec in specs:
+        if spec.hf is not None and spec.hf.model_type() == model_type:
+            return spec
+    known = {s.name: s.hf.model_type() for s in specs if s.hf is not None}
+    raise ConfigError(f"{where} {hf_dir} holds a {model_type!r} model, and no registered recipe is one "
+                      f"({known}): register a recipe whose TransformersAdapter has that model")
+
+
+def load_hf_model(hf_dir):
+    """(recipe spec, recipe config, SequentialReference) from a transformers-format
+    directory, the recipe found by its model_type."""
     from recipes.layers.pipe import SequentialReference
-    recipe = get_recipe(recipe_name)
+    recipe = recipe_of_hf_dir(hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    import dataclasses
-    names = {f.name for f in dataclasses.fields(recipe.DeepseekV3Config)}
-    fields = {k: v for k, v in hf.items() if k in names}
-    if hf.get("first_k_dense_replace", 0) >= hf.get("num_hidden_layers", 0):
-        fields["n_routed_experts"] = 0          # every layer dense
-    from ds_ext.schema import from_dict
-    config = from_dict(recipe.DeepseekV3Config, fields, where=f"{hf_dir}/config.json")
+        fields = recipe.hf.from_hf_config(json.load(f))
+    config = recipe.config_from_fields(fields, where=f"{hf_dir}/config.json")
     check_hf_dir(hf_dir, config, where="--hf")
     model = SequentialReference(recipe.layer_specs(config, seed=0))
     load_hf_into_module(model, hf_dir, config)
-    return config, model.eval()
+    return recipe, config, model.eval()

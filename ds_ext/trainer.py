@@ -93,7 +93,12 @@ def validate(args, *, world_size):
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide n_routed_experts "
                           f"{model_config.n_routed_experts}: choose a divisor of {model_config.n_routed_experts}")
     s.overlap = s.resolve_overlap(has_moe=model_config.num_moe_layers() > 0)
-    check_partition(_partition_method(cfg.ds, recipe), recipe.layer_specs(model_config, seed=0), model_config)
+    specs = recipe.layer_specs(model_config, seed=0)
+    check_partition(_partition_method(cfg.ds, recipe), specs, model_config, recipe)
+    from recipes.layers.pipe import check_checkpointing, layer_warnings
+    interval = cfg.ds.get("pipeline", {}).get("activation_checkpoint_interval", 0)
+    check_checkpointing(recipe, specs, interval=interval)
+    cfg.warnings += layer_warnings(recipe, specs, schedule=s.schedule, checkpoint_interval=interval)
     partition_for(cfg, recipe, model_config)
     from .topology.setup import check as check_topology
     check_topology(s.topology, model_config=model_config)
@@ -139,21 +144,19 @@ def validate(args, *, world_size):
     return cfg, recipe, model_config, tokenizer
 
 
-def check_partition(method, specs, model_config=None):
+def check_partition(method, specs, model_config, recipe=None):
     """DeepSpeed's partition methods and "balanced", checked before any rank builds a
-    layer; "balanced" needs the planner to cost every layer class."""
+    layer; "balanced" needs the recipe's planner costs to cost every layer class."""
     import re
     if method in ("uniform", "parameters"):
         return
     if method == "balanced":
-        from .profile.plan import _spec_kind
-        for spec in specs:
-            try:
-                _spec_kind(spec, model_config)
-            except ValueError:
-                raise ConfigError(f"pipeline.partition 'balanced' cuts layers by the planner's cost, and the planner "
-                                  f"cannot cost layer class {spec.typename.__name__}: add it to _spec_kind in "
-                                  f"ds_ext/profile/plan.py, or use 'type:REGEX' / 'parameters'") from None
+        from recipes import spec_for
+        try:
+            (recipe or spec_for(model_config)).layer_kinds(specs, model_config)
+        except ConfigError as exc:
+            raise ConfigError(f"pipeline.partition 'balanced' cuts layers by the planner's cost: {exc}; or use "
+                              f"'type:REGEX' / 'parameters'") from None
         return
     if not method.startswith("type:"):
         raise ConfigError(f"pipeline.partition {method!r} is not a DeepSpeed partition method: use 'best' "
@@ -170,7 +173,7 @@ def check_partition(method, specs, model_config=None):
 
 def _partition_method(ds, recipe):
     method = ds.get("pipeline", {}).get("partition", "best")
-    return recipe.DEFAULT_PARTITION if method == "best" else method
+    return recipe.default_partition if method == "best" else method
 
 
 def partition_for(cfg, recipe, model_config):

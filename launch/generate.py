@@ -1,6 +1,7 @@
-"""Sample from a seekspeed checkpoint or a transformers directory with MLA's latent KV
-cache (absorbed weights; per token and layer only kv_lora_rank + qk_rope_head_dim
-values are cached).
+"""Sample from a seekspeed checkpoint or a transformers directory with the recipe's
+decoder (its spec's ``decoder``): MLA's latent KV cache, absorbed weights; per token
+and layer only kv_lora_rank + qk_rope_head_dim values are cached. A transformers
+directory's recipe is found by its config.json model_type.
 
     python launch/generate.py --checkpoint runs/tiny/checkpoints --prompt "def main(" --max-new-tokens 80
     python launch/generate.py --hf exported/tiny --tokenizer byte --prompt "import " --temperature 0.8 --top-k 40
@@ -32,20 +33,24 @@ def main(argv=None):
     import torch
     from ds_ext.data import load_tokenizer
     from ds_ext.errors import SeekspeedError
+    from ds_ext.errors import ConfigError
     from ds_ext.hf_io import load_checkpoint_model, load_hf_model
-    from recipes.layers.latent_kv import MLADecoder
+    from recipes import spec_for
     try:
         if args.checkpoint:
             config, model, meta = load_checkpoint_model(args.checkpoint, tag=args.tag)
+            recipe = spec_for(config)
             tokenizer_spec = args.tokenizer or meta.get("tokenizer", "byte")
         else:
-            config, model = load_hf_model(args.hf)
+            recipe, config, model = load_hf_model(args.hf)
             tokenizer_spec = args.tokenizer or "byte"
+        if recipe.decoder is None:
+            raise ConfigError(f"recipe {recipe.name} has no generator (its spec's decoder is None)")
         tokenizer = load_tokenizer(tokenizer_spec, vocab_size=config.vocab_size)
     except SeekspeedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    decoder = MLADecoder(model, config)
+    decoder = recipe.decoder(model, config)
     ids = torch.tensor([tokenizer.encode_documents([args.prompt])[0][:-1]])
     t0 = time.perf_counter()
     out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, use_cache=not args.no_cache,

@@ -2,8 +2,10 @@
 feed-forward, RMSNorm, decoupled RoPE with YaRN, as a DeepSpeed PipelineModule.
 
 Copy this file to make a new model: change the config fields or presets, or the
-layer list in ``layer_specs``. Field names are transformers' DeepseekV3Config names,
-so ``to_hf_config()`` gives a config that transformers loads as the same model.
+layer list in ``layer_specs``, then register ``SPEC`` (the end of this file) in
+recipes/__init__.py (README, "Make a new model"). Field names are transformers'
+DeepseekV3Config names, so ``to_hf_config()`` gives a config that transformers loads
+as the same model.
 
     python -m recipes.deepseek_v3 --preset deepseek-v3 --stages 16 --schedule dualpipev
 prints the parameters each pipeline rank holds, built on the meta device.
@@ -13,11 +15,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
-from ds_ext.schema import from_dict
-from recipes.layers import rope
+from recipes.layers import costs, rope
+from recipes.layers.latent_kv import MLADecoder
 from recipes.layers.mlp import ACTIVATIONS
 from recipes.layers.pipe import (CausalLMLoss, DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
-                                 MTPLayerPipe, mtp_next_embedding, tied_lm_head)
+                                 MTPLayerPipe, check_stages, mtp_next_embedding, tied_lm_head)
+from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 
 
 @dataclass(kw_only=True)
@@ -156,9 +159,7 @@ PRESETS = {
 
 def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     """A checked config from a named preset plus field overrides."""
-    if preset not in PRESETS:
-        raise ConfigError(f"{where}.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return from_dict(DeepseekV3Config, {**PRESETS[preset], **(overrides or {})}, where=f"{where}.overrides")
+    return SPEC.make_config(preset, overrides, where=where)
 
 
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None):
@@ -194,54 +195,47 @@ def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None):
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"
+# the classes DeepSpeed's activation checkpointing wraps (matched by exact class name)
+CHECKPOINTABLE_LAYERS = ("DecoderLayerPipe", "MTPLayerPipe")
 
 
-def build_pipeline(config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=DEFAULT_PARTITION,
-                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1,
-                   document_token=None):
-    """The model as a DeepSpeed PipelineModule (DualPipeVModule for ``dualpipev``).
-
-    Only the layers of this rank's stage(s) are built. Call after
-    ``deepspeed.init_distributed()``. With ``document_token`` (the tokenizer's
-    end-of-document id) attention does not cross the documents packed into a row.
-    ``partition_method`` may be a cut already made (boundaries, as "balanced" resolves to).
-    """
-    from ds_ext.pipe import pipeline_module_class
-    bounds = None
-    if not isinstance(partition_method, str):
-        bounds, partition_method = [int(b) for b in partition_method], "balanced"
-    stages = num_stages if num_stages is not None else topology.get_dim("pipe")
-    check_stages(config, stages=stages, schedule=schedule)
-    module_cls = pipeline_module_class(schedule)
-    ep_rank = expert_parallel_rank(stages=stages, ep_size=expert_parallel_size)
-    specs = layer_specs(config, seed=seed, ep_size=expert_parallel_size, ep_rank=ep_rank,
-                        document_token=document_token)
-    return module_cls(layers=specs, num_stages=num_stages, topology=topology,
-                      loss_fn=CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0), partition_method=partition_method,
-                      activation_checkpoint_interval=activation_checkpoint_interval,
-                      checkpointable_layers=["DecoderLayerPipe", "MTPLayerPipe"], partition_bounds=bounds)
+def loss_fn(config, *, mtp_loss_weight):
+    return CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0)
 
 
-def expert_parallel_rank(*, stages, ep_size):
-    """This rank's place in its expert-parallel group. DeepSpeed lays ranks out as
-    pipe x data and carves expert-parallel groups of consecutive data-parallel ranks
-    out of each stage (deepspeed.utils.groups), so it is the data-parallel index
-    modulo the group size; the MoE layer checks it against DeepSpeed's groups."""
-    from deepspeed import comm as dist
-    data_parallel = dist.get_world_size() // stages
-    if data_parallel % ep_size:
-        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep_size} does not divide the data-parallel size "
-                          f"{data_parallel}: choose a divisor of {data_parallel}")
-    return (dist.get_rank() % data_parallel) % ep_size
+def build_pipeline(config, **kwargs):
+    """The model as a DeepSpeed PipelineModule (recipes.layers.pipe.build_pipeline:
+    num_stages or topology, schedule, partition_method, activation_checkpoint_interval,
+    seed, mtp_loss_weight, expert_parallel_size, document_token)."""
+    return SPEC.build_pipeline(config, **kwargs)
 
 
-def check_stages(config, *, stages, schedule):
-    from ds_ext.pipe import virtual_stages
-    parts = virtual_stages(schedule, stages)
-    if parts > config.num_hidden_layers:
-        extra = f" ({stages} ranks x 2 for {schedule})" if parts != stages else ""
-        raise ConfigError(f"pipeline stages {parts}{extra} exceed decoder layers ({config.num_hidden_layers}): "
-                          f"lower pipeline.stages or add layers (num_hidden_layers)")
+def config_from_hf(fields):
+    """The recipe fields of a transformers DeepseekV3 config.json."""
+    names = {f.name for f in dataclasses.fields(DeepseekV3Config)}
+    out = {k: v for k, v in fields.items() if k in names}
+    if fields.get("first_k_dense_replace", 0) >= fields.get("num_hidden_layers", 0):
+        out["n_routed_experts"] = 0          # every layer dense (to_hf_config's placeholders)
+    return out
+
+
+SPEC = RecipeSpec(
+    name="deepseek_v3",
+    config_class=DeepseekV3Config,
+    presets=PRESETS,
+    layer_specs=layer_specs,
+    loss_fn=loss_fn,
+    default_partition=DEFAULT_PARTITION,
+    checkpointable_layers=CHECKPOINTABLE_LAYERS,
+    planner=PlannerCosts(layer_kind=costs.layer_kind, activation_bytes=costs.activation_bytes,
+                         attention_flops=costs.attention_flops),
+    hf=TransformersAdapter(
+        model_class="DeepseekV3ForCausalLM", to_hf_config=DeepseekV3Config.to_hf_config, from_hf_config=config_from_hf,
+        identity_fields=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                         "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace")),
+    decoder=MLADecoder,
+)
 
 
 def _main():

@@ -50,7 +50,7 @@ def test_stages_are_balanced_and_fit_the_model(name, world):
     config = deepseek_v3.make_config(s.recipe.preset, s.recipe.overrides)
     deepseek_v3.check_stages(config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
     rows = stage_parameter_counts(deepseek_v3.layer_specs(config, seed=0), stages=cfg.layout.pipe_stages,
-                                  schedule=s.schedule, partition_method=partition_for(cfg, deepseek_v3, config))
+                                  schedule=s.schedule, partition_method=partition_for(cfg, deepseek_v3.SPEC, config))
     params = [r["params"] for r in rows]
     assert max(params) / min(params) < 1.25, params
     # bf16 weights + fp32 gradient accumulation + ZeRO-1 shard of fp32 master/Adam states

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from ds_ext.profile.plan import Hardware, layer_activation_bytes, make_plan
+from ds_ext.profile.plan import Hardware, make_plan
+from recipes.layers.costs import activation_bytes as layer_activation_bytes
 from tests.distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,7 +424,7 @@ def _built_bounds(paths):
         cfg = load_config(cfg_path, world_size=2)
         config = deepseek_v3.make_config("tiny", cfg.section.recipe.overrides)
         model = deepseek_v3.build_pipeline(config, topology=ProcessTopology(axes=["pipe", "data"], dims=[2, 1]),
-                                           schedule=schedule, partition_method=partition_for(cfg, deepseek_v3, config))
+                                           schedule=schedule, partition_method=partition_for(cfg, deepseek_v3.SPEC, config))
         out[schedule] = (list(model.parts), [list(b) for b in getattr(model, "phase_bounds", [(model._local_start,
                                                                                            model._local_stop)])])
     return out

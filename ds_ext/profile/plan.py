@@ -13,9 +13,10 @@ Memory per rank (bytes):
 - optimizer: Adam's two moments (8 bytes) plus an fp32 master copy (4) in mixed
   precision, divided by the data-parallel degree under ZeRO stage >= 1 (routed
   experts: by their own expert-data-parallel degree);
-- activations: what autograd keeps per token of each layer (``layer_activation_bytes``,
-  checked against the real layers in tests/test_plan.py) times the micro-batches the
-  schedule holds at its peak (from the simulator); with DeepSpeed's activation
+- activations: what autograd keeps per token of each layer (the recipe's
+  ``PlannerCosts.activation_bytes``, recipes/spec.py; for recipes/layers' classes
+  recipes/layers/costs.py, checked against the real layers in tests/test_plan.py)
+  times the micro-batches the schedule holds at its peak (from the simulator); with DeepSpeed's activation
   checkpointing only each layer's input is kept, plus one layer's full activations
   while it is recomputed;
 - buffers: ZeRO's reduce bucket (``reduce_bucket_size`` fp32 elements) and a fixed
@@ -30,7 +31,8 @@ Time per optimizer step: the simulator's makespan for per-chunk costs F (forward
 B (backward: 2F, plus F recomputed under activation checkpointing), W (the weight
 gradient part) and the point-to-point transfer of one micro-batch, summed from each
 layer's own cost (``layer_cost`` in make_plan: matmul FLOPs at the GEMM rate, FP8's with
-``fp8_tflops``; attention's S^2 terms; the memory-bound passes at ``hbm_gbps``: kept
+``fp8_tflops``; the recipe's attention FLOPs (``PlannerCosts.attention_flops``: MLA's
+S^2 terms, a sparse attention's indexer and selected keys); the memory-bound passes at ``hbm_gbps``: kept
 activations, the embedding's rows, the head's logits), plus the data-parallel gradient
 reduction (ds_ext/profile/collectives.py: NCCL's ring or tree over the node's rails and
 NVLink, or the compressor's collectives and payload, ds_ext/comm/traffic.py: sign and
@@ -215,66 +217,17 @@ class Plan:
 
 # ---- per-layer figures --------------------------------------------------------------
 
-def layer_activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True):
-    """Bytes autograd keeps per token for one layer of ``kind`` ("embed", "dense",
-    "moe", "mtp-dense", "mtp-moe", "norm", "head"), counted from the tensors our layers
-    save: norms' inputs and outputs, the MLA projections (q low-rank path, latent,
-    decoupled RoPE key), attention's q, k, v and output, the SwiGLU gates, and for MoE
-    the router's fp32 scores and each of the k chosen experts' gates. Without a fused
-    attention kernel (CPU's math path when the q/k and v head sizes differ) the
-    softmax probabilities are kept too: heads x seq_len fp32 per token."""
-    c, a = config, act_bytes
-    h, heads = c.hidden_size, c.num_attention_heads
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    if kind == "embed":
-        return 8
-    if kind == "norm":
-        return 2 * h * a
-    if kind == "head":
-        return h * a + 4 * c.vocab_size             # input, fp32 log-softmax of the logits
-    q_path = 2 * (c.q_lora_rank or 0)
-    attention = a * (2 * h + q_path + 2 * c.kv_lora_rank + c.qk_rope_head_dim + 2 * heads * qk + 3 * heads * c.v_head_dim)
-    attention += 4 * heads + (0 if fused_attention else 4 * heads * seq_len)
-    if kind.endswith("moe"):
-        k, inter, shared = c.num_experts_per_tok, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-        ffn = a * (2 * h + k * (2 * h + 5 * inter) + 4 * shared) + 4 * (h + 2 * c.n_routed_experts)
-    else:
-        ffn = a * (2 * h + 4 * c.intermediate_size)
-    mtp = a * 5 * h if kind.startswith("mtp") else 0
-    return attention + ffn + mtp
-
-
-def attention_flops(config, *, seq_len):
-    """Forward FLOPs per token of one causal attention (scores and weighted sum)."""
-    c = config
-    return c.num_attention_heads * seq_len * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-
-
-def _spec_kind(spec, config):
-    name = spec.typename.__name__
-    if name == "EmbeddingPipe":
-        from recipes.layers.pipe import tied_lm_head
-        return "head" if getattr(spec, "forward_fn", None) is tied_lm_head else "embed"
-    if name == "DecoderLayerPipe":
-        return "moe" if config.is_moe_layer(spec.module_kwargs["layer_idx"]) else "dense"
-    if name == "MTPLayerPipe":
-        return "mtp-moe" if config.is_moe_layer(config.num_hidden_layers) else "mtp-dense"
-    if name == "FinalNormPipe":
-        return "norm"
-    if name == "LMHeadPipe":
-        return "head"
-    raise ValueError(f"the planner does not know layer type {name}: add it to ds_ext/profile/plan.py")
-
-
-def _layer_figures(specs, config):
-    """Per spec: kind, parameters, routed-expert parameters, activated parameters
-    (built once per distinct layer on the meta device)."""
+def _layer_figures(specs, config, recipe):
+    """Per spec: the recipe's kind for it, whether DeepSpeed checkpoints it, its
+    attention FLOPs per token at ``seq_len`` (filled by make_plan), parameters,
+    routed-expert parameters, activated parameters (built once per distinct layer on
+    the meta device)."""
     import torch
     from recipes.layers.moe import DeepSeekMoE
     from recipes.layers.pipe import activated_parameters
     cache, rows = {}, []
-    for spec in specs:
-        kind = _spec_kind(spec, config)
+    kinds = recipe.layer_kinds(specs, config)
+    for spec, kind in zip(specs, kinds):
         key = (spec.typename.__name__, kind, getattr(spec, "forward_fn", None))
         if key not in cache:
             with torch.device("meta"):
@@ -287,7 +240,8 @@ def _layer_figures(specs, config):
             experts = sum(p.numel() for p in module.parameters() if id(p) in expert_ids)
             cache[key] = (sum(p.numel() for p in module.parameters()), experts, activated_parameters([spec]), matrices)
         params, experts, active, matrices = cache[key]
-        rows.append({"kind": kind, "params": params, "experts": experts, "active": active, "matrices": matrices})
+        rows.append({"kind": kind, "checkpointable": spec.typename.__name__ in recipe.checkpointable_layers,
+                     "params": params, "experts": experts, "active": active, "matrices": matrices})
     return rows
 
 
@@ -316,7 +270,6 @@ def nodes_from_hostfile(path, *, include="", exclude="", num_nodes=None, num_gpu
     return len(counts), next(iter(counts.values()))
 
 
-CHECKPOINTABLE = ("dense", "moe", "mtp-dense", "mtp-moe")     # the recipe's checkpointable_layers
 
 
 def gradient_bytes(ds):
@@ -379,21 +332,21 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     # Layers: parameters held (this rank's experts only) and compute (every routed expert
     # a token picks, wherever it lives: from the unsharded build).
     specs = recipe.layer_specs(mc, seed=0, ep_size=ep, ep_rank=0)
-    figures = _layer_figures(specs, mc)
+    figures = _layer_figures(specs, mc, recipe)
     full_specs = specs if ep == 1 else recipe.layer_specs(mc, seed=0)
-    full = figures if ep == 1 else _layer_figures(full_specs, mc)
+    full = figures if ep == 1 else _layer_figures(full_specs, mc, recipe)
     for row, whole in zip(figures, full):
         row["active"] = whole["active"]
     parts = virtual_stages(s.schedule, pp)
     method = ds.get("pipeline", {}).get("partition", "best")
     balanced = method == "balanced"
     # balanced: placement and link classes from the recipe's default cut, then the cut from the costs
-    bounds = [int(b) for b in partition(specs, num_parts=parts, method=recipe.DEFAULT_PARTITION if balanced
+    bounds = [int(b) for b in partition(specs, num_parts=parts, method=recipe.default_partition if balanced
                                         else _partition_method(ds, recipe))]
     chunks = [figures[bounds[p]:bounds[p + 1]] for p in range(parts)]
 
     def full_bytes(r):
-        return tokens * layer_activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=a)
+        return tokens * recipe.planner.activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=a)
 
     ckpt_k = interval if interval > 0 else 1     # the "with checkpointing" column when it is off: every layer
 
@@ -404,7 +357,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         kept = recompute = 0
         for i in range(0, len(rows), ckpt_k):
             group = rows[i:i + ckpt_k]
-            if all(r["kind"] in CHECKPOINTABLE for r in group):
+            if all(r["checkpointable"] for r in group):
                 kept += tokens * h * a
                 recompute = max(recompute, sum(full_bytes(r) for r in group))
             else:
@@ -451,9 +404,9 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         written by the backward, the embedding's rows gathered and their fp32 gradients
         scattered, the head's logits written and read by the fp32 log-softmax and their
         fp32 gradient; and the expert all-to-all no compute covers (_a2a_costs)."""
-        attention = attention_flops(mc, seq_len=lay.seq_len) / 2 if row["kind"] in CHECKPOINTABLE else 0.0
+        attention = recipe.planner.attention_flops(mc, row["kind"], seq_len=lay.seq_len)
         weights = 2 * tokens * row["active"]
-        kept = full_bytes(row) if row["kind"] in CHECKPOINTABLE else 0.0
+        kept = full_bytes(row) if row["checkpointable"] else 0.0
         forward = weights / hw.gemm_flops + 2 * tokens * attention / hw.flops + kept / (hw.hbm_gbps * GB)
         backward = (2 + recompute_passes) * forward
         if row["kind"] == "embed":

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import rope
-from .hf import embedding_is_tied, positions
 
 
 class LatentKVCache:
@@ -78,17 +77,20 @@ def absorbed_attention(attn, x, cache, layer, start):
 
 
 class MLADecoder(nn.Module):
-    """The main model path (no MTP) of a recipe module, for generation."""
+    """The main model path (no MTP) of a recipe's SequentialReference, for generation:
+    its embedding, decoder layers (in order), final norm and head, found by class."""
 
     def __init__(self, reference, config):
         super().__init__()
-        pos = positions(config)
+        from .pipe import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe
         self.config = config
-        self.embedding = reference.tied_modules["embed"] if embedding_is_tied(config) else getattr(reference, "0")
-        self.layers = nn.ModuleList(getattr(reference, str(i)) for i in range(1, config.num_hidden_layers + 1))
-        self.norm = getattr(reference, str(pos["norm"]))
-        self.head_weight = (self.embedding.embed_tokens.weight if config.tie_word_embeddings
-                            else getattr(reference, str(pos["head"])).lm_head.weight)
+        modules = list(reference.layer_modules())
+        self.embedding = next(m for m in modules if isinstance(m, EmbeddingPipe))
+        self.layers = nn.ModuleList(m for m in modules if isinstance(m, DecoderLayerPipe)
+                                    and not isinstance(m, MTPLayerPipe))
+        self.norm = next(m for m in modules if isinstance(m, FinalNormPipe))
+        heads = [m for m in modules if isinstance(m, LMHeadPipe)]
+        self.head_weight = heads[0].lm_head.weight if heads else self.embedding.embed_tokens.weight
 
     def _logits(self, hidden):
         return F.linear(self.norm(hidden), self.head_weight)

@@ -84,6 +84,11 @@ class EmbeddingPipe(nn.Module):
     """Token ids -> hidden states; with ``carry_ids`` (MTP) the ids travel along, so the
     MTP module on the last stage can embed each position's next token."""
 
+    @staticmethod
+    def hf_prefix(config, **module_kwargs):
+        """transformers' name prefix of this layer's tensors (recipes/layers/hf.py)."""
+        return "model."
+
     def __init__(self, config, *, seed, carry_ids=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -97,6 +102,10 @@ class EmbeddingPipe(nn.Module):
 
 class DecoderLayerPipe(nn.Module):
     """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
+
+    @staticmethod
+    def hf_prefix(config, *, layer_idx, **module_kwargs):
+        return f"model.layers.{layer_idx}."
 
     def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None):
         super().__init__()
@@ -136,6 +145,10 @@ class MTPLayerPipe(DecoderLayerPipe):
     kind of the model's last layer), then its own output norm (shared_head.norm).
     Names follow DeepSeek's checkpoints (model.layers.<L>.enorm ...)."""
 
+    @staticmethod
+    def hf_prefix(config, **module_kwargs):
+        return f"model.layers.{config.num_hidden_layers}."
+
     def __init__(self, config, *, seed, ep_size=1, ep_rank=0):
         super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed, ep_size=ep_size, ep_rank=ep_rank)
         h = config.hidden_size
@@ -154,6 +167,10 @@ class MTPLayerPipe(DecoderLayerPipe):
 
 class FinalNormPipe(nn.Module):
 
+    @staticmethod
+    def hf_prefix(config, **module_kwargs):
+        return "model."
+
     def __init__(self, config):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -165,6 +182,10 @@ class FinalNormPipe(nn.Module):
 
 class LMHeadPipe(nn.Module):
     """The output projection; with MTP it projects both the main and the MTP states."""
+
+    @staticmethod
+    def hf_prefix(config, **module_kwargs):
+        return ""
 
     def __init__(self, config, *, seed):
         super().__init__()
@@ -438,9 +459,136 @@ class SequentialReference(nn.Module):
             fn = spec.forward_fn
             self._funcs.append(module if fn is None else (lambda x, m=module, f=fn: f(m, x)))
         self.loss_fn = loss_fn or CausalLMLoss()
+        self._modules_in_order = []
+        for idx, spec in enumerate(specs):
+            key = getattr(spec, "key", None)
+            module = self.tied_modules[key] if key is not None else getattr(self, str(idx))
+            if all(module is not m for m in self._modules_in_order):
+                self._modules_in_order.append(module)
+
+    def layer_modules(self):
+        """Each layer's module once, in the layer list's order (a tied module at its first use)."""
+        return iter(self._modules_in_order)
 
     def forward(self, input_ids):
         x = input_ids
         for fn in self._funcs:
             x = fn(x)
         return x
+
+
+# ---- a recipe's pipeline (recipes.spec.RecipeSpec.build_pipeline) ------------------
+
+def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=None,
+                   activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1,
+                   document_token=None, **options):
+    """Recipe ``spec``'s model as a DeepSpeed PipelineModule for ``schedule``
+    (ds_ext.pipe's module class: DualPipeVModule for the V schedules).
+
+    Only the layers of this rank's stage(s) are built. Call after
+    ``deepspeed.init_distributed()``. With ``document_token`` (the tokenizer's
+    end-of-document id) attention does not cross the documents packed into a row.
+    ``partition_method`` (default: the spec's) may be a cut already made (boundaries,
+    as "balanced" resolves to); ``options`` are the recipe's own (RecipeSpec.options).
+    """
+    from ds_ext.pipe import pipeline_module_class
+    partition_method = partition_method or spec.default_partition
+    bounds = None
+    if not isinstance(partition_method, str):
+        bounds, partition_method = [int(b) for b in partition_method], "balanced"
+    stages = num_stages if num_stages is not None else topology.get_dim("pipe")
+    check_stages(config, stages=stages, schedule=schedule)
+    ep_rank = expert_parallel_rank(stages=stages, ep_size=expert_parallel_size)
+    specs = spec.layer_specs(config, seed=seed, ep_size=expert_parallel_size, ep_rank=ep_rank,
+                             document_token=document_token, **options)
+    check_checkpointing(spec, specs, interval=activation_checkpoint_interval)
+    return pipeline_module_class(schedule)(
+        layers=specs, num_stages=num_stages, topology=topology,
+        loss_fn=spec.loss_fn(config, mtp_loss_weight=mtp_loss_weight), partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=list(spec.checkpointable_layers), partition_bounds=bounds)
+
+
+def expert_parallel_rank(*, stages, ep_size):
+    """This rank's place in its expert-parallel group. DeepSpeed lays ranks out as
+    pipe x data and carves expert-parallel groups of consecutive data-parallel ranks
+    out of each stage (deepspeed.utils.groups), so it is the data-parallel index
+    modulo the group size; the MoE layer checks it against DeepSpeed's groups."""
+    from deepspeed import comm as dist
+
+    from ds_ext.errors import ConfigError
+    data_parallel = dist.get_world_size() // stages
+    if data_parallel % ep_size:
+        raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep_size} does not divide the data-parallel size "
+                          f"{data_parallel}: choose a divisor of {data_parallel}")
+    return (dist.get_rank() % data_parallel) % ep_size
+
+
+def check_stages(config, *, stages, schedule):
+    from ds_ext.errors import ConfigError
+    from ds_ext.pipe import virtual_stages
+    parts = virtual_stages(schedule, stages)
+    if parts > config.num_hidden_layers:
+        extra = f" ({stages} ranks x 2 for {schedule})" if parts != stages else ""
+        raise ConfigError(f"pipeline stages {parts}{extra} exceed decoder layers ({config.num_hidden_layers}): "
+                          f"lower pipeline.stages or add layers (num_hidden_layers)")
+
+
+def _own_layers(specs):
+    """The specs that build a module of their own (a tied layer's forward_fn reuses one)."""
+    return [s for s in specs if getattr(s, "forward_fn", None) is None]
+
+
+def check_checkpointing(spec, specs, *, interval):
+    """DeepSpeed checkpoints only layers whose class name is in checkpointable_layers,
+    matched exactly: with ``interval`` > 0, a list that matches no layer of the model
+    would silently checkpoint nothing, so it is an error naming the classes."""
+    from ds_ext.errors import ConfigError
+    if interval <= 0:
+        return
+    names = sorted({s.typename.__name__ for s in specs})
+    if not set(spec.checkpointable_layers) & set(names):
+        raise ConfigError(f"pipeline.activation_checkpoint_interval {interval}, and recipe {spec.name}'s "
+                          f"checkpointable_layers {list(spec.checkpointable_layers)} name no layer class of the model "
+                          f"({names}): DeepSpeed matches class names exactly, so list the decoder layer class there")
+
+
+def layer_warnings(spec, specs, *, schedule, checkpoint_interval):
+    """What would silently cost memory or speed, one line each naming the class:
+    a repeated layer class that activation checkpointing (``checkpoint_interval`` > 0)
+    skips because checkpointable_layers does not name it; a checkpointable_layers name
+    that matches no class; and under a zero-bubble schedule, a ``torch.nn.Linear`` that
+    is not ds_ext.pipe.zero_bubble's, whose weight gradient then cannot be deferred to
+    the W slots. Layers are built on the meta device, one per class."""
+    import collections
+
+    from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES
+    from ds_ext.pipe.zero_bubble import Linear
+    out = []
+    own = _own_layers(specs)
+    counts = collections.Counter(s.typename.__name__ for s in own)
+    listed = set(spec.checkpointable_layers)
+    if checkpoint_interval > 0:
+        for name, n in sorted(counts.items()):
+            if n > 1 and name not in listed:
+                out.append(f"recipe {spec.name}: {n} layers of class {name} are not checkpointed "
+                           f"(pipeline.activation_checkpoint_interval {checkpoint_interval}): DeepSpeed checkpoints "
+                           f"only checkpointable_layers {sorted(listed)}; add {name} there")
+    for name in sorted(listed - set(counts)):
+        out.append(f"recipe {spec.name}: checkpointable_layers names {name}, which is no layer class of this model "
+                   f"(classes: {sorted(counts)})")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        seen = set()
+        for layer in own:
+            cls = layer.typename
+            if cls in seen:
+                continue
+            seen.add(cls)
+            with torch.device("meta"):
+                module = layer.build()
+            plain = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, Linear)]
+            if plain:
+                out.append(f"recipe {spec.name}: {cls.__name__}.{plain[0]} is a torch.nn.Linear"
+                           f"{f' (and {len(plain) - 1} more)' if len(plain) > 1 else ''}: under {schedule} its weight "
+                           f"gradient is computed in B, not deferred to a W slot; use ds_ext.pipe.zero_bubble.Linear")
+    return out
