@@ -370,6 +370,30 @@ class MtpSection:
             raise ConfigError(f"{where}.loss_weight must be >= 0, got {self.loss_weight}")
 
 
+DSA_STAGES = ("warmup", "sparse")
+
+
+@dataclass(kw_only=True)
+class DsaSection:
+    """DeepSeek Sparse Attention training (recipes with a lightning indexer: deepseek_v32),
+    as the DeepSeek-V3.2 report trains it. Unset fields take the recipe's defaults."""
+    # "warmup": dense attention, only the indexer learns (KL to the main attention over all keys);
+    # "sparse": attention over the indexer's top-k keys, the indexer learns from the KL over them
+    stage: str | None = None
+    # weight of the indexer's KL loss (it trains only the indexer: its input is detached)
+    indexer_loss_weight: float | None = None
+
+    def check(self, where):
+        if self.stage is not None and self.stage not in DSA_STAGES:
+            raise ConfigError(f"{where}.stage {self.stage!r} is not one of {list(DSA_STAGES)}")
+        if self.indexer_loss_weight is not None and not self.indexer_loss_weight > 0:
+            raise ConfigError(f"{where}.indexer_loss_weight must be > 0 (the indexer learns only from it), got "
+                              f"{self.indexer_loss_weight}")
+
+    def is_set(self):
+        return self.stage is not None or self.indexer_loss_weight is not None
+
+
 @dataclass(kw_only=True)
 class ReportSection:
     # where metrics.csv, the plots and profiles go; default: <checkpoint.dir>/report
@@ -396,6 +420,7 @@ class SeekspeedSection:
     overlap_grad_reduce: bool = False
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
+    dsa: DsaSection = field(default_factory=DsaSection)
     topology: TopologySection = field(default_factory=TopologySection)
     comm: CommSection = field(default_factory=CommSection)
     # a transformers-format directory (config.json + safetensors) to start from
@@ -409,6 +434,11 @@ class SeekspeedSection:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{where}.schedule: unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
         _check_choices(where, self, overlap=OVERLAP_CHOICES)
+
+    def recipe_sections(self):
+        """The recipe-specific sections this config sets (RecipeSpec.train_options checks
+        that the recipe reads them)."""
+        return [name for name in ("dsa",) if getattr(self, name).is_set()]
 
     def resolve_overlap(self, *, has_moe, where="seekspeed"):
         """The overlap mode this run uses ("layer" or "none"); an explicit "layer" that

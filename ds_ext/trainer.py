@@ -99,6 +99,7 @@ def validate(args, *, world_size):
     interval = cfg.ds.get("pipeline", {}).get("activation_checkpoint_interval", 0)
     check_checkpointing(recipe, specs, interval=interval)
     cfg.warnings += layer_warnings(recipe, specs, schedule=s.schedule, checkpoint_interval=interval)
+    recipe.train_options(s)
     partition_for(cfg, recipe, model_config)
     from .topology.setup import check as check_topology
     check_topology(s.topology, model_config=model_config)
@@ -522,7 +523,8 @@ def _train(args, cfg, recipe, model_config, tokenizer, control):
                                       "activation_checkpoint_interval", 0),
                                   seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight,
                                   expert_parallel_size=s.moe.expert_parallel_size,
-                                  document_token=tokenizer.eos_token_id if s.data.attention == "document" else None)
+                                  document_token=tokenizer.eos_token_id if s.data.attention == "document" else None,
+                                  **recipe.train_options(s))
     grid = model._grid
     stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_id()
     init_tensors, error = 0, None

@@ -108,8 +108,8 @@ class DeepseekV3Config:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def to_hf_config(self):
-        """The same model as a ``transformers.DeepseekV3Config``."""
-        from transformers import DeepseekV3Config as HFConfig
+        """The same model as a transformers config (its DeepseekV3Config)."""
+        from transformers import AutoConfig
         fields = dataclasses.asdict(self)
         moe = self.num_moe_layers() > 0
         fields["first_k_dense_replace"] = self.first_k_dense_replace if moe else self.num_hidden_layers
@@ -117,7 +117,8 @@ class DeepseekV3Config:
             # transformers needs valid MoE fields even when every layer is dense
             fields.update(n_routed_experts=max(self.n_routed_experts, 2), n_group=1, topk_group=1,
                           num_experts_per_tok=1, moe_intermediate_size=max(self.moe_intermediate_size, 1))
-        return HFConfig(**fields, num_key_value_heads=self.num_attention_heads, pad_token_id=None)
+        return AutoConfig.for_model("deepseek_v3", **fields, num_key_value_heads=self.num_attention_heads,
+                                    pad_token_id=None)
 
 
 # Presets. Shapes from the released config.json files of DeepSeek-V2-Lite and DeepSeek-V3,

@@ -128,7 +128,7 @@ class RecipeSpec:
     def train_options(self, section, *, where="seekspeed"):
         """The recipe's own training settings from the seekspeed section; a section the
         recipe does not read, set anyway, is refused."""
-        for name in getattr(section, "recipe_sections", lambda: ())():
+        for name in section.recipe_sections():
             if name not in self.sections:
                 raise ConfigError(f"{where}.{name} is set, and recipe {self.name} does not read it: remove it (it "
                                   f"belongs to recipes {_readers(name)})")
