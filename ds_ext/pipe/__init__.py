@@ -18,7 +18,6 @@ __all__ = ["REGISTRY", "SCHEDULES", "LAYER_OVERLAP_SCHEDULES", "Schedule", "sche
            "pipeline_module_class", "virtual_stages", "check_micro_batches", "rank_chunks", "data_stages"]
 
 SCHEDULES = tuple(REGISTRY)
-ZERO_BUBBLE_SCHEDULES = tuple(name for name, s in REGISTRY.items() if s.zero_bubble)
 # the schedules whose F&B chunks overlap "layer" can interleave (ds_ext/pipe/overlap.py)
 LAYER_OVERLAP_SCHEDULES = tuple(name for name, s in REGISTRY.items() if s.layer_overlap)
 
