@@ -109,6 +109,8 @@ def _load(ref):
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
+    """One schedule's facts (see the module docstring); ``name`` is its
+    ``seekspeed.schedule`` value."""
     name: str
     # layout
     virtual_per_rank: int       # parts of the layer list per pipeline rank: 1, or 2 (V schedules)
