@@ -45,7 +45,7 @@ def _latency_rank(rounds):
     """Median one-way latency (ms) of a small gloo send between neighbouring ranks."""
     import torch
     from deepspeed import comm as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     x = torch.zeros(16)
     times = []
     for _ in range(rounds):
@@ -256,6 +256,7 @@ def main():
     p.add_argument("--trace-dir", help="write each schedule's recorded step as PNG + Chrome trace here")
     p.add_argument("--json")
     args = p.parse_args()
+    from ds_ext.pipe import schedule_spec, virtual_stages
     from ds_ext.pipe.simulate import formula_bubble, simulate
     layers, ranks = 8, 4
     costs = (args.F, args.B, args.W)
@@ -273,7 +274,8 @@ def main():
                                                retries=args.retries, busy_cores=args.busy_cores)
             step = statistics.median(results[0]["times"]) * 1e3
             sim_name = {"torch-dualpipev": "dualpipev-zb", "torch-zbv": None}.get(name, name)
-            per_chunk = 2 if name in ("1f1b", "dualpipe") else 1     # layers per stage chunk
+            # layers per stage chunk; the torch schedules are V-shaped (2 x ranks chunks)
+            per_chunk = layers // (virtual_stages(name, ranks) if name in DS_SCHEDULES else 2 * ranks)
             c = [x * per_chunk for x in costs]
             row = {"schedule": name, "micro_batches": m, "step_ms": step,
                    "steps_ms": [t * 1e3 for t in results[0]["times"]], "other_cpu_cores": other,
@@ -291,7 +293,7 @@ def main():
                     row["formula_ms"] = None
                 if name in DS_SCHEDULES:
                     over = _overheads(results, name, ranks, costs, per_chunk,
-                                      async_p2p=name in ("dualpipev-zb", "dualpipe"))
+                                      async_p2p=schedule_spec(name).async_p2p)
                     row["overhead_ms"] = over
                     row["overhead_ms_per_instruction"] = over["mean"]
                     sim2 = simulate_measured(name, ranks, m, costs, per_chunk, over, latency)

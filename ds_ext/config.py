@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .pipe import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_micro_batches, check_schedule
+from .pipe import LAYER_OVERLAP_SCHEDULES, check_micro_batches, check_schedule, schedule_spec
 from .schema import from_dict
 
 OVERLAP_CHOICES = ("auto", "layer", "none")
@@ -431,8 +431,7 @@ class SeekspeedSection:
     report: ReportSection = field(default_factory=ReportSection)
 
     def check(self, where):
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"{where}.schedule: unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+        schedule_spec(self.schedule, where=f"{where}.schedule")
         _check_choices(where, self, overlap=OVERLAP_CHOICES)
 
     def recipe_sections(self):
@@ -444,13 +443,14 @@ class SeekspeedSection:
         """The overlap mode this run uses ("layer" or "none"); an explicit "layer" that
         the schedule or the model cannot use is refused."""
         ep = self.moe.expert_parallel_size
+        interleaves = schedule_spec(self.schedule, where=f"{where}.schedule").layer_overlap
         if self.overlap == "auto":
-            return "layer" if self.schedule in ZERO_BUBBLE_SCHEDULES and has_moe and ep > 1 else "none"
+            return "layer" if interleaves and has_moe and ep > 1 else "none"
         if self.overlap == "layer":
-            if self.schedule not in ZERO_BUBBLE_SCHEDULES:
+            if not interleaves:
                 raise ConfigError(f"{where}.overlap 'layer' interleaves F&B chunks, which only schedules "
-                                  f"{' and '.join(ZERO_BUBBLE_SCHEDULES)} run; schedule {self.schedule!r} takes 'none' "
-                                  f"(its all-to-alls still overlap the shared expert)")
+                                  f"{' and '.join(LAYER_OVERLAP_SCHEDULES)} run; schedule {self.schedule!r} takes "
+                                  f"'none' (its all-to-alls still overlap the shared expert)")
             if not has_moe or ep == 1:
                 raise ConfigError(f"{where}.overlap 'layer' hides expert-parallel all-to-alls, and this run has none "
                                   f"({'no MoE layers' if not has_moe else 'moe.expert_parallel_size 1'}): set overlap "
@@ -522,7 +522,8 @@ def _dtypes(ds):
 def check_precision(ds, *, schedule, zero):
     """The weights' and accumulation dtypes DeepSpeed and the schedule can train with."""
     model, accum = _dtypes(ds)
-    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and schedule in ZERO_BUBBLE_SCHEDULES:
+    spec = schedule_spec(schedule)
+    if model == "bf16" and ds["bf16"].get("immediate_grad_update") is True and spec.zero_bubble:
         raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
                           f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
                           f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")
@@ -534,10 +535,7 @@ def check_precision(ds, *, schedule, zero):
                           f"stage 0 accumulates in the weights' dtype only and stops with 'unsupported mix'): set "
                           f"zero_optimization.stage 1{' (BF16 optimizer)' if bf16_optimizer else ''} or remove "
                           f"data_types.grad_accum_dtype")
-    if schedule == "dualpipe" and not bf16_optimizer:
-        raise ConfigError(f"schedule dualpipe does not support {model} weights with data_types.grad_accum_dtype {accum} "
-                          f"(ZeRO-1 keeps those gradients in a buffer the stage-copy sum does not read): remove "
-                          f"data_types.grad_accum_dtype, use bf16 with fp32, or schedule dualpipev-zb")
+    spec.check_precision(model=model, accum=accum)
 
 
 def read_json(path):

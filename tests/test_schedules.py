@@ -1,8 +1,9 @@
 """Pipeline schedules as instruction streams, checked in one process: every
 micro-batch gets exactly one forward, one backward and (when deferred) one weight
 pass per stage, in dependency order, sends and receives pair up between neighbours,
-and the whole set of ranks runs without deadlock; and the simulator reproduces the
-DualPipe README's bubble and activation-memory figures. About 5 s."""
+and the whole set of ranks runs without deadlock; the simulator reproduces the
+DualPipe README's bubble and activation-memory figures; and each schedule's registry
+entry names real classes and a layout that holds every part. About 5 s."""
 
 import pytest
 from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, RecvActivation, RecvGrad, SendActivation,
@@ -152,3 +153,24 @@ def test_costed_benchmark_first_stage_backward_is_w_only():
     assert (b[1], bi[1]) == (20.0, 10.0) and len(b) == 8
     f, b, w, bi = stage_costs("1f1b", 4, (10.0, 20.0, 10.0), 2)
     assert (b[0], b[3], w[0]) == (30.0, 40.0, 20.0)
+
+
+def test_every_registry_entry_is_complete():
+    """Each schedule's entry names classes that exist and are of the right kind, and its
+    layout puts every part of the layer list on some rank, data on rank 0."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.schedule import PipeSchedule
+    from ds_ext.pipe import REGISTRY, SCHEDULES
+
+    assert SCHEDULES == tuple(REGISTRY) == ("1f1b", "dualpipev", "dualpipev-zb", "dualpipe")
+    for name, spec in REGISTRY.items():
+        assert spec.name == name
+        assert issubclass(spec.module_class(), PipelineModule)
+        assert issubclass(spec.engine_class(), PipelineEngine)
+        assert issubclass(spec.instruction_class(), PipeSchedule)
+        assert spec.virtual_per_rank in (1, 2) and spec.sim.directions in (1, 2)
+        for stages in (2, 4, 6):
+            held = [spec.rank_chunks(rank=r, stages=stages) for r in range(stages)]
+            assert sorted({p for h in held for p in h}) == list(range(spec.virtual_stages(stages))), name
+            assert 0 in spec.data_stages(stages)

@@ -16,16 +16,6 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from .schedules import DualPipeSteps
 
 
-def direction_and_stage(rank, direction, ranks):
-    """(direction, model stage) of the stage copy ``rank`` runs for ``direction``."""
-    return direction, rank if direction == 0 else ranks - 1 - rank
-
-
-def stage_direction(rank, stage, ranks):
-    """Which direction's copy of ``stage`` lives on ``rank``."""
-    return 0 if stage == rank else 1
-
-
 class DualPipeSchedule(DualPipeSteps):
     """The DualPipe schedule for one pipeline rank: the reference's steps with its
     logical phase = direction XOR "rank in the second half", counted from the nearer

@@ -20,11 +20,12 @@ import time
 
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ds_ext.comm import alltoall
 
-from . import ZERO_BUBBLE_SCHEDULES, schedules
+from . import LAYER_OVERLAP_SCHEDULES, schedule_spec, schedules
 from .overlap import Interleaver, PerThread
 from .zero_bubble import WeightGradStore
 
@@ -65,6 +66,14 @@ class _TimedSchedule:
                     self.timeline.record(cmd.name, cmd.kwargs, start, time.perf_counter())
                 if overlap is not None:
                     overlap.after(i)
+
+
+class SeekspeedPipelineEngine(_TimedSchedule, PipelineEngine):
+    """1f1b: DeepSpeed's PipelineEngine and TrainSchedule."""
+
+
+class SeekspeedDualPipeVEngineAsIs(_TimedSchedule, DualPipeVEngine):
+    """dualpipev: DeepSpeed's own DualPipeVEngine and DualPipeVSchedule."""
 
 
 class _KeepAlive:
@@ -394,27 +403,23 @@ class SeekspeedDualPipeEngine(SeekspeedDualPipeVEngine):
 
 
 def _engine_class(schedule, overlap="none"):
-    from deepspeed.runtime.pipe.engine import PipelineEngine
+    """The engine class the registry names for ``schedule``, under the mixins that
+    install gradient compression, the overlapped reduction and async checkpoints, and
+    its own constructor options."""
     from ds_ext.comm.install import CompressedReduction
     from ds_ext.checkpoint.engine import AsyncCheckpointing
     from .grad_overlap import OverlappedReduction, with_overlap_map
-    if overlap != "none" and schedule not in ZERO_BUBBLE_SCHEDULES:
+    spec = schedule_spec(schedule)
+    if overlap != "none" and not spec.layer_overlap:
         raise ValueError(f"overlap {overlap!r} interleaves F&B chunks, which only schedules "
-                         f"{' and '.join(ZERO_BUBBLE_SCHEDULES)} have; schedule {schedule!r} takes overlap 'none'")
-    if schedule == "1f1b":
-        base, extra = (_TimedSchedule, PipelineEngine), {}
-    elif schedule == "dualpipev":
-        base, extra = (_TimedSchedule, DualPipeVEngine), {}
-    elif schedule == "dualpipev-zb":
-        base, extra = (SeekspeedDualPipeVEngine, ), {"zero_bubble": True, "overlap_p2p": True, "overlap": overlap}
-    elif schedule == "dualpipe":
-        base, extra = (SeekspeedDualPipeEngine, ), {"zero_bubble": True, "overlap_p2p": True, "overlap": overlap}
-    else:
-        raise ValueError(f"no engine for schedule {schedule!r}")
-    names = {"1f1b": "SeekspeedPipelineEngine", "dualpipev": "SeekspeedDualPipeVEngineAsIs"}
-    name = names.get(schedule, base[0].__name__)
+                         f"{' and '.join(LAYER_OVERLAP_SCHEDULES)} have; schedule {schedule!r} takes overlap 'none'")
+    base = spec.engine_class()
+    extra = {}
+    if issubclass(base, SeekspeedDualPipeVEngine):
+        extra = {"zero_bubble": spec.zero_bubble, "overlap_p2p": spec.async_p2p, "overlap": overlap}
     # Mixins first: each falls through to DeepSpeed unless its part is installed
-    return with_overlap_map(type(name, (AsyncCheckpointing, OverlappedReduction, CompressedReduction) + base, {})), extra
+    return with_overlap_map(type(base.__name__, (AsyncCheckpointing, OverlappedReduction, CompressedReduction, base),
+                                 {})), extra
 
 
 def initialize(*, model, config, model_parameters, schedule, overlap="none", comm=None, checkpoint=None, node_of=None,

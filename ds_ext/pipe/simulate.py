@@ -3,10 +3,11 @@ from the costs of a forward chunk F, a full backward chunk B (of which W is the
 weight-gradient part), an overlapped forward-and-backward chunk F&B, and a
 point-to-point latency.
 
-The op sequences of 1f1b, dualpipev and dualpipev-zb (and dualpipe) come from the
-very schedule classes the engines run, so the simulator checks what actually runs;
-ZB1P (zero-bubble 1F1B) is built here. Each op starts when its rank is free and its
-inputs exist: a forward after the previous stage's forward of the same micro-batch,
+The op sequences of the registered schedules (1f1b, dualpipev, dualpipev-zb,
+dualpipe) come from the very schedule classes the engines run (each registry entry
+names its class and how to read it), so the simulator checks what actually runs;
+ZB1P (zero-bubble 1F1B), simulated only, is built here. Each op starts when its rank
+is free and its inputs exist: a forward after the previous stage's forward of the same micro-batch,
 a backward after the next stage's backward (or its own forward on the loss stage),
 a W after the backward that deferred it.
 
@@ -86,35 +87,26 @@ def _ops_from_instructions(schedule_obj, *, rank, ranks, micro_batches, vstage_o
 
 
 def schedule_ops(schedule, *, ranks, micro_batches):
-    """Per-rank op lists and the number of virtual stages."""
-    if schedule == "1f1b":
-        from deepspeed.runtime.pipe.schedule import TrainSchedule
-        return [_ops_from_instructions(TrainSchedule(micro_batches, ranks, r), rank=r, ranks=ranks,
-                                       micro_batches=micro_batches, vstage_of=None, mb_of=None)
-                for r in range(ranks)], ranks
+    """Per-rank op lists and the number of virtual stages: a registered schedule's from
+    its instruction stream, read as its entry's ``sim`` map says; ZB1P's built here."""
     if schedule == "zb1p":
         return [_zb1p_ops(r, ranks, micro_batches) for r in range(ranks)], ranks
-    if schedule in ("dualpipev", "dualpipev-zb"):
-        from deepspeed.runtime.pipe.schedule import DualPipeVSchedule
-        from .schedules import DualPipeVZBSchedule
-        cls = DualPipeVSchedule if schedule == "dualpipev" else DualPipeVZBSchedule
-        return [_ops_from_instructions(cls(micro_batches, ranks, r), rank=r, ranks=ranks,
-                                       micro_batches=micro_batches,
-                                       vstage_of=lambda rank, phase: rank if phase == 0 else 2 * ranks - 1 - rank,
-                                       mb_of=lambda b: b % micro_batches)
-                for r in range(ranks)], 2 * ranks
-    if schedule == "dualpipe":
-        from .dualpipe import DualPipeSchedule, direction_and_stage
-        half = micro_batches // 2
-        out = []
-        for r in range(ranks):
-            out.append(_ops_from_instructions(
-                DualPipeSchedule(micro_batches, ranks, r), rank=r, ranks=ranks, micro_batches=micro_batches,
-                vstage_of=lambda rank, phase: direction_and_stage(rank, phase, ranks)[1],
-                mb_of=lambda b: b % half,
-                direction_of=lambda rank, phase: direction_and_stage(rank, phase, ranks)[0]))
-        return out, ranks
-    raise ValueError(f"unknown schedule {schedule!r}")
+    spec = _spec(schedule)
+    cls, sim = spec.instruction_class(), spec.sim
+    held = [spec.rank_chunks(rank=r, stages=ranks) for r in range(ranks)]
+    per_direction = micro_batches // sim.directions
+    return [_ops_from_instructions(cls(micro_batches, ranks, r), rank=r, ranks=ranks, micro_batches=micro_batches,
+                                   vstage_of=(lambda rank, phase: held[rank][phase]) if sim.by_buffer else None,
+                                   mb_of=(lambda b: b % per_direction) if sim.by_buffer else None,
+                                   direction_of=(lambda rank, phase: phase) if sim.directions > 1 else None)
+            for r in range(ranks)], spec.virtual_stages(ranks)
+
+
+def _spec(schedule):
+    from .registry import REGISTRY
+    if schedule not in REGISTRY:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return REGISTRY[schedule]
 
 
 def _zb1p_ops(rank, ranks, micro_batches):
@@ -166,7 +158,7 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, Bi=None, c
             return FB(op.stage, op.stage2)
         return FB if FB is not None else at(F, op.stage) + at(B, op.stage2)
 
-    sim = _Simulation(schedule, ranks, num_stages, comm)
+    sim = _Simulation(schedule, ranks, num_stages, comm, copies=_copies(schedule, ranks))
     index = [0] * ranks
     while any(index[r] < len(per_rank[r]) for r in range(ranks)):
         progressed = False
@@ -206,11 +198,21 @@ def simulate(schedule, *, ranks, micro_batches, F, B, W=0.0, FB=None, Bi=None, c
                   sim.timeline)
 
 
+def _copies(schedule, ranks):
+    """Per rank, the stages it holds in direction order, when each direction of travel
+    has its own copy of the model (dualpipe); None otherwise."""
+    spec = None if schedule == "zb1p" else _spec(schedule)
+    if spec is None or spec.sim.directions == 1:
+        return None
+    return [spec.rank_chunks(rank=r, stages=ranks) for r in range(ranks)]
+
+
 class _Simulation:
     """Completion times and per-rank state while ops are placed."""
 
-    def __init__(self, schedule, ranks, stages, comm):
+    def __init__(self, schedule, ranks, stages, comm, copies=None):
         self.schedule, self.ranks, self.last_stage, self.comm = schedule, ranks, stages - 1, comm
+        self.copies = copies
         self.fwd_done, self.bwd_done = {}, {}     # (direction, stage, mb) -> end time
         self.clock = [0.0] * ranks
         self.deferred = [[] for _ in range(ranks)]   # W work of deferred backward chunks, FIFO
@@ -221,9 +223,8 @@ class _Simulation:
         self.peak = [0] * ranks
 
     def _direction(self, rank, stage, op_direction):
-        if self.schedule == "dualpipe":
-            from .dualpipe import stage_direction
-            return stage_direction(rank, stage, self.ranks)
+        if self.copies is not None:
+            return self.copies[rank].index(stage)
         return max(op_direction, 0)
 
     def _f_ready(self, d, s, mb):
@@ -286,19 +287,17 @@ class _Simulation:
 
 def formula_bubble(schedule, *, ranks, F, B, W=0.0, FB=None):
     """The DualPipe README's bubble formulas (PP = pipeline stages: ranks, or 2 x ranks
-    for the V schedules; F, B, W, F&B per stage chunk). They are exact when a chunk's
-    forward, input-gradient backward and weight backward cost the same (B = 2F,
-    W = F), the case the README's figures assume."""
+    for the V schedules; F, B, W, F&B per stage chunk), from each schedule's registry
+    entry. They are exact when a chunk's forward, input-gradient backward and weight
+    backward cost the same (B = 2F, W = F), the case the README's figures assume."""
+    from .registry import REGISTRY
     FB = F + B if FB is None else FB
-    if schedule == "1f1b":
-        return (ranks - 1) * (F + B)
     if schedule == "zb1p":
         return (ranks - 1) * (F + B - 2 * W)
-    if schedule == "dualpipe":
-        return (ranks / 2 - 1) * (FB + B - 3 * W)
-    if schedule == "dualpipev-zb":
-        return (ranks - 1) * (FB + B - 3 * W)            # PP = 2 x ranks
-    raise ValueError(f"no formula for {schedule!r}")
+    formula = REGISTRY[schedule].bubble_formula if schedule in REGISTRY else None
+    if formula is None:
+        raise ValueError(f"no formula for {schedule!r}")
+    return formula(ranks=ranks, F=F, B=B, W=W, FB=FB)
 
 
 def main(argv=None):

@@ -302,7 +302,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     made for that cut."""
     from ds_ext.comm.traffic import chunk_numel, payload_bytes, state_bytes
     from ds_ext.config import RunConfig, fp32_grad_accumulation, load_config, mixed_precision
-    from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES, rank_chunks, virtual_stages
+    from ds_ext.pipe import schedule_spec
     from ds_ext.pipe.simulate import simulate
     from ds_ext.topology.placement import choose, rank_of
     from ds_ext.topology.setup import estimate_traffic
@@ -337,7 +337,8 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     full = figures if ep == 1 else _layer_figures(full_specs, mc, recipe)
     for row, whole in zip(figures, full):
         row["active"] = whole["active"]
-    parts = virtual_stages(s.schedule, pp)
+    sched = schedule_spec(s.schedule)
+    parts = sched.virtual_stages(pp)
     method = ds.get("pipeline", {}).get("partition", "best")
     balanced = method == "balanced"
     # balanced: placement and link classes from the recipe's default cut, then the cut from the costs
@@ -365,7 +366,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         return kept, recompute
 
     # Placement (as the trainer chooses it) and where each group's links run.
-    rank_params = max(sum(r["params"] for p in rank_chunks(s.schedule, rank=rank, stages=pp) for r in chunks[p])
+    rank_params = max(sum(r["params"] for p in sched.rank_chunks(rank=rank, stages=pp) for r in chunks[p])
                       for rank in range(pp))        # what the trainer's placement choice is given
     traffic = estimate_traffic(model_config=mc, layout=lay, ds=ds, stage_params=rank_params, ep=ep,
                                compute_tflops=hw.flops / 1e12)
@@ -393,7 +394,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     recompute_passes = 1 if interval > 0 else 0
     overlap = s.resolve_overlap(has_moe=mc.num_moe_layers() > 0)
     shared_forward = 2 * tokens * 3 * h * mc.moe_intermediate_size * mc.n_shared_experts / hw.gemm_flops
-    zb = s.schedule in ZERO_BUBBLE_SCHEDULES
+    zb = sched.zero_bubble
     logits = tokens * mc.vocab_size
 
     def layer_cost(row):
@@ -467,7 +468,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     peak_kept = _peak_bytes(sim.timeline, [k for k, _ in kept])
     stages, stage_matrices = [], []
     for rank, held in enumerate(rank_layers(specs, bounds=bounds, schedule=s.schedule, stages=pp)):
-        owned = rank_chunks(s.schedule, rank=rank, stages=pp)
+        owned = sched.rank_chunks(rank=rank, stages=pp)
         rows = [figures[i] for i in held]
         params = sum(r["params"] for r in rows)
         experts = sum(r["experts"] for r in rows)
@@ -523,7 +524,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         st.comm_state_parts, st.comm_state = kept_state, float(sum(kept_state.values()))
     worst = max(reductions, key=lambda g: g["seconds_compressed"])
     groups = [GroupTraffic(group="data-parallel", members=dp, **worst)]
-    chain = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * (2 if parts != pp or s.schedule == "dualpipe" else 1)
+    chain = 2 * lay.grad_accum * p2p_bytes * (pp - 1) * sched.link_passes
     crossing = sum(node(st, 0) != node(st + 1, 0) for st in range(pp - 1)) / max(pp - 1, 1)
     groups.append(GroupTraffic(group="pipeline", members=pp, intra_bytes=chain * (1 - crossing),
                                inter_bytes=chain * crossing, intra_bytes_compressed=chain * (1 - crossing),
@@ -532,7 +533,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     if a2a_layer:
         # per rank per step: every MoE layer it holds, forward + backward (+ recompute), every micro-batch
         passes = lay.grad_accum * (2 + recompute_passes)
-        per_rank = max(sum(1 for p in rank_chunks(s.schedule, rank=r, stages=pp) for row in chunks[p]
+        per_rank = max(sum(1 for p in sched.rank_chunks(rank=r, stages=pp) for row in chunks[p]
                            if row["kind"].endswith("moe")) for r in range(pp)) * passes * a2a_layer
         cross = a2a_cost.inter_bytes / (a2a_cost.inter_bytes + a2a_cost.intra_bytes)
         flight, charged = _a2a_per_step(sim.timeline, fb_cost=fb_cost, a2a_f=a2a_f, a2a_b=a2a_b,
@@ -552,7 +553,8 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     if overlap_dp and pp > 1:
         ends = _overlapped_reduction_ends(sim.timeline, schedule=s.schedule, stages=pp, reductions=[
             {p: g[key] * sum(r["params"] for r in chunks[p]) / max(st.params, 1)
-             for p in rank_chunks(s.schedule, rank=rank, stages=pp)} for rank, (g, st) in enumerate(zip(reductions, stages))])
+             for p in sched.rank_chunks(rank=rank, stages=pp)}
+            for rank, (g, st) in enumerate(zip(reductions, stages))])
         dp_seconds = max(0.0, max(ends) - sim.makespan)
     biggest = max(stages, key=lambda st: st.params)
     optimizer_seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)

@@ -58,7 +58,7 @@ def _powers_of_two_dividing(n, limit):
 
 def candidates(ds, *, world_size, layers, routed_experts):
     """Every layout to try for the DeepSpeed JSON ``ds`` on ``world_size`` ranks."""
-    from ds_ext.pipe import SCHEDULES
+    from ds_ext.pipe import REGISTRY
     current_dp = world_size // ds.get("pipeline", {}).get("stages", 1)
     batch = ds.get("train_batch_size") or (ds.get("train_micro_batch_size_per_gpu", 1)
                                            * ds.get("gradient_accumulation_steps", 1) * current_dp)
@@ -67,8 +67,8 @@ def candidates(ds, *, world_size, layers, routed_experts):
         if world_size % pp or pp > layers:
             continue
         dp = world_size // pp
-        for schedule in SCHEDULES:
-            if pp == 1 and schedule != "1f1b":
+        for schedule, spec in REGISTRY.items():
+            if pp == 1 and not spec.one_stage:
                 continue
             for ep in (_powers_of_two_dividing(dp, routed_experts) if moe else [1]):
                 if moe and routed_experts % ep:
