@@ -561,7 +561,7 @@ def layer_warnings(spec, specs, *, schedule, checkpoint_interval):
     the W slots. Layers are built on the meta device, one per class."""
     import collections
 
-    from ds_ext.pipe import ZERO_BUBBLE_SCHEDULES
+    from ds_ext.pipe.registry import schedule_spec
     from ds_ext.pipe.zero_bubble import Linear
     out = []
     own = _own_layers(specs)
@@ -573,7 +573,7 @@ def layer_warnings(spec, specs, *, schedule, checkpoint_interval):
                 out.append(f"recipe {spec.name}: {n} layers of class {name} are not checkpointed "
                            f"(pipeline.activation_checkpoint_interval {checkpoint_interval}): DeepSpeed checkpoints "
                            f"only checkpointable_layers {sorted(listed)}; add {name} there")
-    if schedule in ZERO_BUBBLE_SCHEDULES:
+    if schedule_spec(schedule).zero_bubble:
         seen = set()
         for layer in own:
             cls = layer.typename
