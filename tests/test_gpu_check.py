@@ -27,7 +27,8 @@ def test_run_configs_pass_validation_and_the_planner(tmp_path):
     from ds_ext.trainer import parse_args, validate
     for name in gpu_check.RUNS:
         path = gpu_check.write_run_config(name, workdir=str(tmp_path))
-        cfg, _, model_config, _ = validate(parse_args(["--deepspeed", path]), world_size=1)
+        run_plan = validate(parse_args(["--deepspeed", path]), world_size=1)
+        cfg, model_config = run_plan.cfg, run_plan.model_config
         assert cfg.ds["bf16"]["enabled"] and cfg.layout.world_size == 1 and cfg.layout.pipe_stages == 1
         assert not cfg.section.checkpoint.save_final and cfg.section.checkpoint.interval_steps == 0
         assert cfg.section.checkpoint.dir.startswith(str(tmp_path))

@@ -133,9 +133,9 @@ def test_dualpipev_zb_resumes_on_more_then_fewer_replicas(tmp_path):
 
 def _saved_and_now(tmp_path, saved_kw, now_kw, *, saved_world, now_world, overrides=None):
     """The resume state a run with ``saved_kw`` records, and what a run with ``now_kw``
-    checks it against (trainer._check_resume_state's arguments)."""
+    checks it against (checkpointer.check_resume_state's arguments)."""
     import dataclasses
-    from ds_ext import trainer
+    from ds_ext import checkpointer, run_plan
     from ds_ext.config import load_config
     from recipes import get_recipe
     recipe = get_recipe("deepseek_v3")
@@ -143,11 +143,12 @@ def _saved_and_now(tmp_path, saved_kw, now_kw, *, saved_world, now_world, overri
     for name, kw, world in (("saved", saved_kw, saved_world), ("now", now_kw, now_world)):
         cfg = load_config(_cfg(tmp_path, name, **kw), world_size=world)
         model = recipe.make_config(cfg.section.recipe.preset, cfg.section.recipe.overrides)
-        record = trainer._layout_record(cfg, recipe, model) | {"optimizer": "DeepSpeedZeroOptimizer"}
+        record = run_plan.layout_record(cfg, model, run_plan.layer_cut(cfg, recipe, model),
+                                        optimizer="DeepSpeedZeroOptimizer")
         out.append((cfg, model, record))       # the optimizer an engine of this config builds (ZeRO-1, fp32)
     (scfg, smodel, slayout), (cfg, model, layout) = out
-    saved = trainer._resume_state(scfg) | {"model_config": dataclasses.asdict(smodel) | (overrides or {}),
-                                           "layout": slayout}
+    saved = checkpointer.resume_state(scfg) | {"model_config": dataclasses.asdict(smodel) | (overrides or {}),
+                                               "layout": slayout}
     return saved, cfg, layout, model
 
 
@@ -163,39 +164,40 @@ def _saved_and_now(tmp_path, saved_kw, now_kw, *, saved_world, now_world, overri
     (dict(), dict(gas=2), (4, 2), {"hidden_size": 256}, r"holds another model \(hidden_size 256 -> 128\)"),
 ])
 def test_resume_on_another_layout_refusals(tmp_path, saved_kw, now_kw, worlds, overrides, match):
-    from ds_ext import trainer
+    from ds_ext import checkpointer
     from ds_ext.errors import ConfigError
     saved, cfg, layout, model = _saved_and_now(tmp_path, saved_kw, now_kw, saved_world=worlds[0],
                                                now_world=worlds[1], overrides=overrides)
     if overrides == {}:
         saved["layout"]["optimizer"] = "FusedAdam"
     with pytest.raises(ConfigError, match=match) as info:
-        trainer._check_resume_state(saved, cfg, "/ck/global_step1", layout=layout, model_config=model)
+        checkpointer.check_resume_state(saved, cfg, "/ck/global_step1", layout=layout, model_config=model)
     assert "\n" not in str(info.value)
 
 
 def test_resume_state_names_the_layout_changes(tmp_path):
-    from ds_ext import trainer
+    from ds_ext import checkpointer
     saved, cfg, layout, model = _saved_and_now(tmp_path, dict(stages=2, ep=2, base="tiny_moe_cpu.json"),
                                                dict(stages=1, gas=2, base="tiny_moe_cpu.json"), saved_world=4,
                                                now_world=2)
-    changed = trainer._check_resume_state(saved, cfg, "/ck/x", layout=layout, model_config=model)
+    changed = checkpointer.check_resume_state(saved, cfg, "/ck/x", layout=layout, model_config=model)
     assert changed == ["pipe_stages", "expert_parallel_size"]        # 2 x 2 -> 1 x 2: the same replicas
     del saved["layout"]                                                 # a checkpoint from before the records
     saved["data_parallel"] = 4
     from ds_ext.errors import ConfigError
     with pytest.raises(ConfigError, match="predates seekspeed's layout records"):
-        trainer._check_resume_state(saved, cfg, "/ck/x", layout=layout, model_config=model)
+        checkpointer.check_resume_state(saved, cfg, "/ck/x", layout=layout, model_config=model)
 
 
 def test_layout_record_names_each_ranks_layers():
-    from ds_ext import trainer
+    from ds_ext import run_plan
     from ds_ext.config import load_config
     from recipes import get_recipe
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "ds_configs", "tiny_dualpipev_cpu.json"), world_size=2)
     recipe = get_recipe("deepseek_v3")
-    record = trainer._layout_record(cfg, recipe, recipe.make_config("tiny", {}))
+    model = recipe.make_config("tiny", {})
+    record = run_plan.layout_record(cfg, model, run_plan.layer_cut(cfg, recipe, model))
     # DualPipeV on 2 ranks, 4 virtual stages of one decoder layer each: rank 0 holds the first
     # (embedding, layer 1) and the last (layer 4, final norm, head), rank 1 the middle two
     assert record["stage_keys"] == [["0", "1", "4", "5", "6"], ["2", "3"]]

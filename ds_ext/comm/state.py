@@ -49,7 +49,7 @@ VERSION = 1
 # computes the same selection; pipeline_depth, warmup_steps, on_mismatch)
 SETTINGS_FIELDS = ("compressor", "target", "ratio", "selection", "sample_ratio", "momentum", "rank", "block_size",
                    "error_feedback", "min_numel", "dense_params", "chunk_mb", "hierarchical")
-# the trainer's layout record (trainer._layout_record) keys that decide which gradients a
+# the trainer's layout record (run_plan.layout_record) keys that decide which gradients a
 # rank reduces, in which order and over which group: chunk keys name elements of them
 LAYOUT_FIELDS = ("data_parallel", "pipe_stages", "expert_parallel_size", "zero_stage", "schedule", "bf16",
                  "optimizer", "stage_keys")
@@ -63,7 +63,7 @@ def file_name(rank):
 
 def settings(section, *, layout=None):
     """The fingerprint of ``section`` (a ``seekspeed.comm`` section) and ``layout`` (a
-    mapping with LAYOUT_FIELDS, trainer._layout_record) that saved state depends on;
+    mapping with LAYOUT_FIELDS, run_plan.layout_record) that saved state depends on;
     None when the section compresses nothing (compressor ``none``)."""
     if section.compressor == "none":
         return None

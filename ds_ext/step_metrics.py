@@ -1,0 +1,133 @@
+"""What each training step reports: the progress line (loss, lr, loss parts, MoE
+expert load, the compressed reduction), a row of the run report (metrics.csv and
+DeepSpeed's monitor), and the figures the run summary keeps."""
+
+from .errors import SeekspeedError
+from .progress import Progress
+
+
+def _rank0_log(rank):
+    return (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+
+
+class StepMetrics:
+    """One run's per-step reporting. ``window`` is the profile window the report gathers
+    at the end (StepTrace's); ``batches`` the timed data iterator (None on ranks that
+    read no data). Creating it opens the report directory (all ranks, collective)."""
+
+    def __init__(self, plan, engine, control, *, window, batches, start, rank, dp_rank):
+        s = plan.section
+        self.engine, self.control, self.batches, self.rank, self.dp_rank = engine, control, batches, rank, dp_rank
+        self.comm, self.tokens_per_step = s.comm, plan.layout.tokens_per_step
+        self.title = f"{s.recipe.name}/{s.recipe.preset}, {s.schedule}"
+        self.report = _open_report(plan, engine, control, window=window, start=start, rank=rank)
+        self.progress = Progress(start_step=start, total_steps=s.train.steps, tokens_per_step=self.tokens_per_step,
+                                 log_interval=s.train.log_interval, enabled=rank == 0)
+        self.moe_stats, self.loss_parts, self.comm_steps = None, [], []
+
+    def step(self, step, *, loss, step_s, moe_update=None):
+        """After optimizer step ``step``: ``moe_update`` is moe_step_update's (loads,
+        balance), None without MoE layers. Collective on log steps with MoE."""
+        engine, log_step = self.engine, self.progress.is_log_step(step)
+        extra = []
+        parts = engine.agg_additional_losses
+        if parts and log_step:
+            extra.append(" | ".join(f"{name} {float(value):.4f}" for name, value in parts.items()))
+        if moe_update is not None and log_step:
+            loads, balance = moe_update if self.dp_rank == 0 else (None, None)
+            self.moe_stats = _moe_stats(self.control, loads, balance)
+            extra.append(self.moe_stats["line"])
+        reducer = engine.grad_reducer
+        if reducer is not None and reducer.last is not None:
+            self.comm_steps.append(reducer.last.figures())
+            if log_step:
+                what = self.comm.compressor + ("" if self.comm.target == "gradient" else f" {self.comm.target}")
+                extra.append(reducer.last.line(what + (f" ({reducer.last.dense}, dense)" if reducer.last.dense
+                                                       else "")))
+        self.progress.update(step, loss, lr=engine.get_lr()[0], extra=" | ".join(extra) or None)
+        if parts:
+            self.loss_parts.append({name: float(value) for name, value in parts.items()})
+        self._write_row(step, loss=loss, step_s=step_s, parts=parts,
+                        moe_stats=self.moe_stats if moe_update is not None and log_step else None)
+
+    def _write_row(self, step, *, loss, step_s, parts, moe_stats):
+        engine, norm = self.engine, self.engine.get_global_grad_norm()
+        row = {"step": step, "loss": loss, "tokens_per_s": self.tokens_per_step / step_s if step_s > 0 else None,
+               "lr": engine.get_lr()[0], "grad_norm": None if norm is None else float(norm), "step_s": step_s,
+               "data_wait_s": self.batches.take_wait() if self.batches is not None else None}
+        reducer = getattr(engine, "grad_reducer", None)
+        if reducer is not None and reducer.last is not None:
+            row["comm_bytes"], row["comm_s"] = reducer.last.wire_bytes, reducer.last.total_s
+        else:
+            row["comm_bytes"], row["comm_s"] = self.report.comms_logger_step()
+        for name, value in (parts or {}).items():
+            row[f"loss_{name}"] = float(value)
+        load = None
+        if moe_stats is not None:
+            row["moe_max_over_mean"] = moe_stats["max_over_mean_load"]
+            load = moe_stats["expert_load"]
+        self.report.write(row, expert_load=load)
+
+    def finish(self):
+        """The progress figures and the report's entry (rank 0), after the report's
+        end-of-run figures (all ranks, collective)."""
+        entry = self.report.finish(self.control, title=self.title)
+        summary = self.progress.summary()
+        if entry is not None:
+            summary["report"] = entry
+        return summary
+
+    def comm_summary(self):
+        """Per-rank means over the steps after warm-up of the compressed reduction's
+        counters (collective); None when no step reduced compressed."""
+        if not self.comm_steps:
+            return None
+        after = self.comm_steps[self.comm.warmup_steps:] or self.comm_steps
+        mine = {k: sum(st[k] for st in after) / len(after) for k in after[0]}
+        ranks = self.control.gather(mine)
+        return {"compressor": self.comm.compressor, "hierarchical": self.comm.hierarchical,
+                "steps_averaged": len(after), "per_rank_mean_per_step": ranks}
+
+    def moe_summary(self):
+        """The last logged step's MoE figures; None without MoE layers."""
+        return None if self.moe_stats is None else {k: v for k, v in self.moe_stats.items() if k != "line"}
+
+
+def _open_report(plan, engine, control, *, window, start, rank):
+    from .profile.run import RunReport
+    s, directory = plan.section, plan.report_dir
+    extra = []
+    if plan.model_config.num_mtp_layers:
+        extra += ["loss_lm", "loss_mtp"]
+    if plan.has_moe:
+        extra += ["moe_max_over_mean"]
+    report, error = None, None
+    try:
+        report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
+                           monitor=getattr(engine, "monitor", None), window=window, plots=s.report.plots,
+                           log=_rank0_log(rank))
+    except OSError as exc:
+        error = SeekspeedError(f"report directory {directory}: {exc.strerror or exc}; choose a writable "
+                               f"seekspeed.report.dir or --report-dir")
+    control.stop_if_any_failed(error, rank=rank)
+    if rank == 0 and directory:
+        profile = plan.profile.text if plan.profile else None
+        print(f"report: {directory} (metrics.csv{', plots' if s.report.plots else ''}"
+              f"{f', profile of steps {profile}' if profile else ''})", flush=True)
+    return report
+
+
+def _moe_stats(control, loads, balance):
+    """Gather each stage's per-expert loads (summed over its replicas) and balance loss;
+    the line shows the worst layer's max/mean expert load."""
+    gathered = control.gather((loads, balance))
+    per_layer, balance_total = {}, None
+    for stage_loads, stage_balance in gathered:
+        per_layer.update(stage_loads or {})
+        if stage_balance is not None:
+            balance_total = (balance_total or 0.0) + stage_balance
+    worst = max((max(l) / (sum(l) / len(l)) for l in per_layer.values() if sum(l) > 0), default=1.0)
+    line = f"moe max/mean expert load {worst:.2f}"
+    if balance_total is not None:
+        line += f" | balance loss {balance_total:.2e}"
+    return {"line": line, "max_over_mean_load": worst, "expert_load": per_layer, "balance_loss": balance_total}
