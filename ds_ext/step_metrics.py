@@ -19,11 +19,12 @@ class StepMetrics:
         s = plan.section
         self.engine, self.control, self.batches, self.rank, self.dp_rank = engine, control, batches, rank, dp_rank
         self.comm, self.tokens_per_step = s.comm, plan.layout.tokens_per_step
+        self.recipe = plan.recipe
         self.title = f"{s.recipe.name}/{s.recipe.preset}, {s.schedule}"
         self.report = _open_report(plan, engine, control, window=window, start=start, rank=rank)
         self.progress = Progress(start_step=start, total_steps=s.train.steps, tokens_per_step=self.tokens_per_step,
                                  log_interval=s.train.log_interval, enabled=rank == 0)
-        self.moe_stats, self.loss_parts, self.comm_steps = None, [], []
+        self.moe_stats, self.loss_parts, self.comm_steps, self.layer_losses = None, [], [], None
 
     def step(self, step, *, loss, step_s, moe_update=None):
         """After optimizer step ``step``: ``moe_update`` is moe_step_update's (loads,
@@ -33,6 +34,11 @@ class StepMetrics:
         parts = engine.agg_additional_losses
         if parts and log_step:
             extra.append(" | ".join(f"{name} {float(value):.4f}" for name, value in parts.items()))
+        mine = self.recipe.take_layer_losses(engine.module) if self.recipe.layer_losses else None
+        if mine is not None and log_step:
+            self.layer_losses = _layer_losses(self.control, mine if self.dp_rank == 0 else None,
+                                              pair=getattr(engine, "_pair_group", None) is not None)
+            extra.append(" | ".join(f"{name} {value:.4f}" for name, value in self.layer_losses.items()))
         if moe_update is not None and log_step:
             loads, balance = moe_update if self.dp_rank == 0 else (None, None)
             self.moe_stats = _moe_stats(self.control, loads, balance)
@@ -47,7 +53,10 @@ class StepMetrics:
         self.progress.update(step, loss, lr=engine.get_lr()[0], extra=" | ".join(extra) or None)
         if parts:
             self.loss_parts.append({name: float(value) for name, value in parts.items()})
-        self._write_row(step, loss=loss, step_s=step_s, parts=parts,
+        row_parts = dict(parts or {})
+        if mine is not None and log_step:
+            row_parts.update(self.layer_losses)
+        self._write_row(step, loss=loss, step_s=step_s, parts=row_parts,
                         moe_stats=self.moe_stats if moe_update is not None and log_step else None)
 
     def _write_row(self, step, *, loss, step_s, parts, moe_stats):
@@ -88,6 +97,10 @@ class StepMetrics:
         return {"compressor": self.comm.compressor, "hierarchical": self.comm.hierarchical,
                 "steps_averaged": len(after), "per_rank_mean_per_step": ranks}
 
+    def layer_loss_summary(self):
+        """The last logged step's in-layer losses (RecipeSpec.layer_losses); None without."""
+        return self.layer_losses
+
     def moe_summary(self):
         """The last logged step's MoE figures; None without MoE layers."""
         return None if self.moe_stats is None else {k: v for k, v in self.moe_stats.items() if k != "line"}
@@ -101,6 +114,7 @@ def _open_report(plan, engine, control, *, window, start, rank):
         extra += ["loss_lm", "loss_mtp"]
     if plan.has_moe:
         extra += ["moe_max_over_mean"]
+    extra += [f"loss_{name}" for name in plan.recipe.layer_losses]
     report, error = None, None
     try:
         report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
@@ -131,3 +145,15 @@ def _moe_stats(control, loads, balance):
     if balance_total is not None:
         line += f" | balance loss {balance_total:.2e}"
     return {"line": line, "max_over_mean_load": worst, "expert_load": per_layer, "balance_loss": balance_total}
+
+
+def _layer_losses(control, mine, *, pair):
+    """Sum the in-layer losses of data-parallel replica 0's pipeline ranks (``mine``:
+    this rank's, None on other replicas). Under dualpipe the two ranks of a pair hold
+    copies of the same layers, each seeing half the micro-batches: each layer's value is
+    the mean of its copies'."""
+    totals = {}
+    for part in control.gather(mine):
+        for name, value in (part or {}).items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {name: value / 2 if pair else value for name, value in totals.items()}

@@ -357,6 +357,8 @@ def _summary(plan, control, *, metrics, checkpoints, store, batches, init_tensor
         summary["init_from_tensors_per_rank"] = control.gather(init_tensors)
     if metrics.loss_parts:
         summary["loss_parts"] = metrics.loss_parts
+    if metrics.layer_loss_summary() is not None:
+        summary["layer_losses"] = metrics.layer_loss_summary()
     comm = metrics.comm_summary()
     if comm is not None:
         summary["comm"] = comm

@@ -21,7 +21,12 @@ A spec holds:
 - ``decoder``: what generation runs (a latent-KV decoder over the whole model);
 - ``options``: recipe-specific training settings read from the seekspeed section
   (``sections`` names the ones it reads; setting one for a recipe that does not read
-  it is an error).
+  it is an error);
+- ``layer_losses``: the names of losses computed inside layers (they train through an
+  identity's backward, as the MoE balance loss does) and ``take_layer_losses(module)``,
+  this rank's values since the last call ({name: mean over micro-batches, summed over
+  the rank's layers}); the trainer reports them apart (the progress line, metrics.csv's
+  ``loss_<name>``, the summary).
 
 The planner and the trainer also read these config fields, which every recipe's config
 has (DeepSeek-V3's names): hidden_size, vocab_size, num_hidden_layers,
@@ -90,6 +95,8 @@ class RecipeSpec:
     decoder: Callable | None = None
     sections: tuple = ()
     options: Callable = field(default=lambda section: {})
+    layer_losses: tuple = ()
+    take_layer_losses: Callable = field(default=lambda module: {})
 
     def make_config(self, preset, overrides=None, *, where="seekspeed.recipe"):
         """A checked config from a named preset plus field overrides."""
