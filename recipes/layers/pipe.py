@@ -98,12 +98,14 @@ class EmbeddingPipe(nn.Module):
 class DecoderLayerPipe(nn.Module):
     """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
 
+    attention_class = MLAttention     # a subclass may swap the attention (recipes/layers/dsa.py)
+
     def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.document_token = document_token      # attention stays inside documents (the ids travel along)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = MLAttention(config)
+        self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
             self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank)
