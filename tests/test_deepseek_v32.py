@@ -18,7 +18,9 @@ DeepseekV32ForCausalLM, and its two training stages.
   published 685B; planner figures against autograd; config errors.
 - Generation with the latent KV cache and cached indexer keys equals the full forward
   and transformers' greedy generate.
-Single process; about 30 s.
+Single process (about 45 s of CPU, a third of it transformers' first model build and
+generate), plus two 2-rank pipeline cases (DeepSpeed 1F1B, zero-bubble DualPipeV) of
+about 15 s each.
 """
 
 import pytest
@@ -217,8 +219,8 @@ def test_warmup_trains_only_the_indexer_on_dense_attention():
     dense = _ours(dense_config, hf, indexer_kl_weight=2.0).train()
     sparse = _ours(config, hf, indexer_kl_weight=2.0).train()
     logits = warm(ids)
-    assert torch.equal(logits, dense(ids))      # both learning, so both attend through the causal mask
     with torch.no_grad():
+        assert torch.equal(logits, dense(ids))
         assert (logits - sparse(ids)).abs().max() > 1e-3
     warm.loss_fn(logits, _labels(ids)).backward()
     assert all((p.grad is not None) == (".indexer." in n) for n, p in warm.named_parameters())
@@ -316,6 +318,31 @@ def test_deepseek_v32_parameter_count():
     checkpoint_total = with_mtp + 2 * 129280 * 7168          # the MTP layer's own embed_tokens and shared_head.head
     print(f"with the MTP module as the checkpoint stores it: {checkpoint_total:,}")
     assert abs(checkpoint_total - 685e9) < 0.5e9, checkpoint_total     # published to the nearest billion
+
+
+def test_mtp_and_document_attention(monkeypatch):
+    """The MTP module's block is a DSA block whose indexer learns too; with
+    document-bounded attention every selected key lies in the query's document."""
+    from recipes.layers.pipe import CausalLMLoss, document_mask
+    config = deepseek_v32.make_config("tiny", {"num_mtp_layers": 1})
+    model = SequentialReference(deepseek_v32.layer_specs(config, seed=9, indexer_kl_weight=1.0)).train()
+    ids = _ids(config, 9, seq=40)
+    CausalLMLoss(0.3, mtp=True)(model(ids), _labels(ids)).backward()
+    mtp = getattr(model, str(config.num_hidden_layers + 2))
+    assert isinstance(mtp, dsa.DSAMTPLayerPipe)
+    assert all(p.grad is not None for p in mtp.self_attn.indexer.parameters())
+    assert sum(a.kl_count for _, a in dsa.attentions(model)) == config.num_hidden_layers + 1
+    config = deepseek_v32.make_config("tiny")
+    ids[:, 25] = 7                                   # documents of 26 and 14 tokens (more if 7 occurs)
+    model = SequentialReference(deepseek_v32.layer_specs(config, seed=9, document_token=7)).eval()
+    selections = _our_selections(monkeypatch)
+    with torch.no_grad():
+        model(ids)
+    inside = document_mask(ids, 7)[:, 0]
+    assert len(selections) == config.num_hidden_layers
+    for chosen in selections:
+        assert not (chosen & ~inside).any()
+        assert (chosen.sum(-1) < inside.sum(-1)).any()       # long documents attend sparsely
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])

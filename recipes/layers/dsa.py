@@ -197,7 +197,7 @@ class DSAttention(MLAttention):
     def forward(self, x, mask=None):
         """``mask`` (bool [B, 1, S, S], True where a query may attend a key) replaces the
         causal mask (document-bounded attention); selection stays inside it."""
-        batch, seq, _ = x.shape
+        seq = x.shape[1]
         q, k, v, q_resid = self.project(x)
         learns = self.indexer_learns()
         if self.training and self.kl_weight > 0 and not learns and not _in_backward():
@@ -214,7 +214,7 @@ class DSAttention(MLAttention):
                 # detached: the indexer learns from L_I only, the main model never from it
                 index_scores = self.indexer(x.detach(), q_resid.detach(), cos, sin)
         attended = select_topk(index_scores, allowed, self.index_topk) if sparse else allowed
-        if attended is None:
+        if mask is None and not sparse:     # plain causal attention: SDPA's causal kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=self.scaling)
@@ -238,7 +238,8 @@ class _WarmupLink(torch.autograd.Function):
     """The dense warm-up's layer output: ``out`` (computed without a graph) whose
     backward sends ``scale`` as the gradient of the layer's L_I and a zero gradient to
     the layer's input ``x``, so the backward reaches every earlier layer's link without
-    going through the frozen model (nothing before a layer learns from its output)."""
+    going through the frozen model. Nothing that trains depends on the layer's output:
+    the indexers do not change the dense forward."""
 
     @staticmethod
     def forward(ctx, out, loss, x, scale):
