@@ -219,6 +219,7 @@ def _build_model(plan, control, *, rank):
         print(f"init_from: {plan.init_from} (each stage read only its own layers)", flush=True)
     if plan.has_moe:
         moe.configure_balancing(model, alpha=s.moe.balance_loss_alpha, grad_scale=1.0 / layout.grad_accum)
+    plan.recipe.configure_layer_losses(model, grad_scale=1.0 / layout.grad_accum)
     return model, topo, init_tensors
 
 

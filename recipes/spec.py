@@ -10,7 +10,8 @@ A spec holds:
   with a ``check(where)`` method) and its named shapes;
 - ``layer_specs(config, *, seed, ep_size, ep_rank, document_token, **options)``: the
   model as DeepSpeed LayerSpecs; ``loss_fn(config, *, mtp_loss_weight)``: the pipeline's
-  loss; together they make ``build_pipeline``;
+  loss; together they make ``build_pipeline`` (recipes.layers.pipe.build_pipeline, or
+  ``build`` where a recipe adds to it);
 - ``default_partition`` (what ``pipeline.partition: "best"`` means) and
   ``checkpointable_layers`` (the layer class names DeepSpeed's activation checkpointing
   wraps; it matches names exactly, so a renamed class must be listed);
@@ -26,7 +27,8 @@ A spec holds:
   identity's backward, as the MoE balance loss does) and ``take_layer_losses(module)``,
   this rank's values since the last call ({name: mean over micro-batches, summed over
   the rank's layers}); the trainer reports them apart (the progress line, metrics.csv's
-  ``loss_<name>``, the summary).
+  ``loss_<name>``, the summary); ``configure_layer_losses(module, *, grad_scale)`` gives
+  them the engine's loss scaling of one micro-batch (1 / gradient accumulation).
 
 The planner and the trainer also read these config fields, which every recipe's config
 has (DeepSeek-V3's names): hidden_size, vocab_size, num_hidden_layers,
@@ -47,9 +49,10 @@ class PlannerCosts:
     layer spec's kind ("embed", "dense", "moe", "mtp-dense", "mtp-moe", "norm", "head",
     or a recipe's own: a kind ending in "moe" has routed experts) or raises
     ``NotCostable``; ``activation_bytes(config, kind, *, seq_len, act_bytes,
-    fused_attention)`` is what autograd keeps per token; ``attention_flops(config, kind,
-    *, seq_len)`` the forward FLOPs per token that are not weight matmuls (attention's
-    scores and weighted sums, an indexer's scores), 0 for layers without attention."""
+    fused_attention, **options)`` is what autograd keeps per token; ``attention_flops(config,
+    kind, *, seq_len, **options)`` the forward FLOPs per token that are not weight matmuls
+    (attention's scores and weighted sums, an indexer's scores), 0 for layers without
+    attention. ``options`` are the run's RecipeSpec.train_options (a DSA stage, say)."""
     layer_kind: Callable
     activation_bytes: Callable
     attention_flops: Callable
@@ -97,6 +100,8 @@ class RecipeSpec:
     options: Callable = field(default=lambda section: {})
     layer_losses: tuple = ()
     take_layer_losses: Callable = field(default=lambda module: {})
+    configure_layer_losses: Callable = field(default=lambda module, *, grad_scale: None)
+    build: Callable | None = None
 
     def make_config(self, preset, overrides=None, *, where="seekspeed.recipe"):
         """A checked config from a named preset plus field overrides."""
@@ -117,6 +122,8 @@ class RecipeSpec:
 
     def build_pipeline(self, config, **kwargs):
         """The model as a DeepSpeed PipelineModule for ``schedule`` (recipes.layers.pipe.build_pipeline)."""
+        if self.build is not None:
+            return self.build(config, **kwargs)
         from recipes.layers.pipe import build_pipeline
         return build_pipeline(self, config, **kwargs)
 

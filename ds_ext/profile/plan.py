@@ -218,10 +218,9 @@ class Plan:
 # ---- per-layer figures --------------------------------------------------------------
 
 def _layer_figures(specs, config, recipe):
-    """Per spec: the recipe's kind for it, whether DeepSpeed checkpoints it, its
-    attention FLOPs per token at ``seq_len`` (filled by make_plan), parameters,
-    routed-expert parameters, activated parameters (built once per distinct layer on
-    the meta device)."""
+    """Per spec: the recipe's kind for it, whether DeepSpeed checkpoints it (its class
+    is in the recipe's checkpointable_layers), parameters, routed-expert parameters,
+    activated parameters (built once per distinct layer on the meta device)."""
     import torch
     from recipes.layers.moe import DeepSeekMoE
     from recipes.layers.pipe import activated_parameters
@@ -317,6 +316,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     recipe = get_recipe(s.recipe.name)
     mc = recipe.make_config(s.recipe.preset, s.recipe.overrides)
     recipe.check_stages(mc, stages=lay.pipe_stages, schedule=s.schedule)
+    options = recipe.train_options(s)
     ep, dp, pp = s.moe.expert_parallel_size, lay.data_parallel, lay.pipe_stages
     interval = (ds.get("pipeline", {}).get("activation_checkpoint_interval", 0) if checkpoint_interval is None
                 else checkpoint_interval)
@@ -331,9 +331,9 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
 
     # Layers: parameters held (this rank's experts only) and compute (every routed expert
     # a token picks, wherever it lives: from the unsharded build).
-    specs = recipe.layer_specs(mc, seed=0, ep_size=ep, ep_rank=0)
+    specs = recipe.layer_specs(mc, seed=0, ep_size=ep, ep_rank=0, **options)
     figures = _layer_figures(specs, mc, recipe)
-    full_specs = specs if ep == 1 else recipe.layer_specs(mc, seed=0)
+    full_specs = specs if ep == 1 else recipe.layer_specs(mc, seed=0, **options)
     full = figures if ep == 1 else _layer_figures(full_specs, mc, recipe)
     for row, whole in zip(figures, full):
         row["active"] = whole["active"]
@@ -347,7 +347,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
     chunks = [figures[bounds[p]:bounds[p + 1]] for p in range(parts)]
 
     def full_bytes(r):
-        return tokens * recipe.planner.activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=a)
+        return tokens * recipe.planner.activation_bytes(mc, r["kind"], seq_len=lay.seq_len, act_bytes=a, **options)
 
     ckpt_k = interval if interval > 0 else 1     # the "with checkpointing" column when it is off: every layer
 
@@ -405,10 +405,10 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         written by the backward, the embedding's rows gathered and their fp32 gradients
         scattered, the head's logits written and read by the fp32 log-softmax and their
         fp32 gradient; and the expert all-to-all no compute covers (_a2a_costs)."""
-        attention = recipe.planner.attention_flops(mc, row["kind"], seq_len=lay.seq_len)
+        attention = recipe.planner.attention_flops(mc, row["kind"], seq_len=lay.seq_len, **options)
         weights = 2 * tokens * row["active"]
         kept = full_bytes(row) if row["checkpointable"] else 0.0
-        forward = weights / hw.gemm_flops + 2 * tokens * attention / hw.flops + kept / (hw.hbm_gbps * GB)
+        forward = weights / hw.gemm_flops + tokens * attention / hw.flops + kept / (hw.hbm_gbps * GB)
         backward = (2 + recompute_passes) * forward
         if row["kind"] == "embed":
             forward += tokens * h * a / (hw.hbm_gbps * GB)

@@ -27,7 +27,7 @@ def layer_kind(spec, config):
                       f"Pipe")
 
 
-def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True):
+def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True, **options):
     """Bytes autograd keeps per token for one layer of ``kind``, counted from the
     tensors our layers save: norms' inputs and outputs, the MLA projections (q low-rank
     path, latent, decoupled RoPE key), attention's q, k, v and output, the SwiGLU gates,
@@ -56,12 +56,14 @@ def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True):
 
 
 def full_attention_flops(config, *, seq_len):
-    """Forward FLOPs per token of attention over ``seq_len`` keys (scores and weighted sum)."""
+    """Multiply-adds per token of attention over ``seq_len`` keys (scores and weighted
+    sum): also the FLOPs per token of causal attention, averaged over the positions
+    (2 FLOPs each over seq_len / 2 keys on average)."""
     c = config
     return c.num_attention_heads * seq_len * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
 
 
-def attention_flops(config, kind, *, seq_len):
-    """Forward FLOPs per token of MLA's causal attention, averaged over the positions
-    (a query attends to half the sequence on average): 0 for layers without attention."""
-    return full_attention_flops(config, seq_len=seq_len) / 2 if kind in ATTENTION_KINDS else 0.0
+def attention_flops(config, kind, *, seq_len, **options):
+    """Forward FLOPs per token of MLA's causal attention, averaged over the positions:
+    0 for layers without attention."""
+    return full_attention_flops(config, seq_len=seq_len) if kind in ATTENTION_KINDS else 0.0

@@ -39,9 +39,10 @@ def full_kv_bytes_per_token(config, dtype=torch.bfloat16):
     return config.num_hidden_layers * config.num_attention_heads * per_head * torch.tensor([], dtype=dtype).element_size()
 
 
-def absorbed_attention(attn, x, cache, layer, start):
+def absorbed_attention(attn, x, cache, layer, start, *, keep=None):
     """MLA for new tokens ``x`` [B, S, H] at positions start..start+S-1, reading and
-    extending layer ``layer`` of ``cache``."""
+    extending layer ``layer`` of ``cache``; ``keep`` (bool [B, S, start+S]) limits the
+    keys each query attends to (DeepSeek Sparse Attention's selection)."""
     batch, seq, _ = x.shape
     heads, d_nope, d_rope, d_v = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
     if attn.q_lora_rank is None:
@@ -69,6 +70,8 @@ def absorbed_attention(attn, x, cache, layer, start):
     scores = (torch.einsum("bhsr,btr->bhst", q_latent, latents) +
               torch.einsum("bhsd,btd->bhst", q_rot, k_ropes)) * attn.scaling
     causal = torch.arange(end, device=x.device)[None, :] > torch.arange(start, end, device=x.device)[:, None]
+    if keep is not None:
+        causal = causal | ~keep[:, None]
     scores = scores.masked_fill(causal, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
     out_latent = torch.einsum("bhst,btr->bhsr", probs, latents)
@@ -79,6 +82,8 @@ def absorbed_attention(attn, x, cache, layer, start):
 class MLADecoder(nn.Module):
     """The main model path (no MTP) of a recipe's SequentialReference, for generation:
     its embedding, decoder layers (in order), final norm and head, found by class."""
+
+    cache_class = LatentKVCache
 
     def __init__(self, reference, config):
         super().__init__()
@@ -119,7 +124,7 @@ class MLADecoder(nn.Module):
         """Append ``max_new_tokens`` tokens to ``ids`` [B, S]: greedy at temperature 0,
         otherwise sampled (optionally from the top k)."""
         dtype = self.head_weight.dtype
-        cache = LatentKVCache(self.config, batch=ids.shape[0], max_tokens=ids.shape[1] + max_new_tokens, dtype=dtype)
+        cache = self.cache_class(self.config, batch=ids.shape[0], max_tokens=ids.shape[1] + max_new_tokens, dtype=dtype)
         out = ids
         logits = self.forward_cached(ids, cache) if use_cache else self.logits_without_cache(ids)
         for i in range(max_new_tokens):

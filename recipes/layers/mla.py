@@ -49,14 +49,17 @@ class MLAttention(nn.Module):
         self.scaling = rope.softmax_scale(self.qk_head_dim, c.rope_parameters,
                                           max_position_embeddings=c.max_position_embeddings)
 
-    def forward(self, x, mask=None):
-        """``mask`` (bool [batch, 1, seq, seq], True where a query may attend a key)
-        replaces the causal mask: document-bounded attention."""
+    def project(self, x):
+        """(q, k, v, q_resid) for ``x`` [B, S, H]: per-head queries and keys [B, heads,
+        S, qk_head_dim] with RoPE applied, values [B, heads, S, v_head_dim], and the
+        normalised query latent [B, S, q_lora_rank] (None without q_lora_rank)."""
         batch, seq, _ = x.shape
         if self.q_lora_rank is None:
+            q_resid = None
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(batch, seq, self.num_heads, self.qk_head_dim).transpose(1, 2)
         q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
@@ -72,9 +75,19 @@ class MLAttention(nn.Module):
         k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
+        return q, k, v, q_resid
 
+    def output(self, out):
+        """o_proj of the attention output [B, heads, S, v_head_dim]."""
+        batch, _, seq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_head_dim))
+
+    def forward(self, x, mask=None):
+        """``mask`` (bool [batch, 1, seq, seq], True where a query may attend a key)
+        replaces the causal mask: document-bounded attention."""
+        q, k, v, _ = self.project(x)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_head_dim))
+        return self.output(out)

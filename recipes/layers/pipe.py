@@ -103,6 +103,8 @@ class EmbeddingPipe(nn.Module):
 class DecoderLayerPipe(nn.Module):
     """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(x))."""
 
+    attention_class = MLAttention     # a subclass may swap the attention (recipes/layers/dsa.py)
+
     @staticmethod
     def hf_prefix(config, *, layer_idx, **module_kwargs):
         return f"model.layers.{layer_idx}."
@@ -112,7 +114,7 @@ class DecoderLayerPipe(nn.Module):
         self.layer_idx = layer_idx
         self.document_token = document_token      # attention stays inside documents (the ids travel along)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = MLAttention(config)
+        self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
             self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank)
@@ -481,7 +483,7 @@ class SequentialReference(nn.Module):
 
 def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=None,
                    activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1,
-                   document_token=None, **options):
+                   document_token=None, module_kwargs=None, **options):
     """Recipe ``spec``'s model as a DeepSpeed PipelineModule for ``schedule``
     (ds_ext.pipe's module class: DualPipeVModule for the V schedules).
 
@@ -489,7 +491,8 @@ def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f
     ``deepspeed.init_distributed()``. With ``document_token`` (the tokenizer's
     end-of-document id) attention does not cross the documents packed into a row.
     ``partition_method`` (default: the spec's) may be a cut already made (boundaries,
-    as "balanced" resolves to); ``options`` are the recipe's own (RecipeSpec.options).
+    as "balanced" resolves to); ``options`` are the recipe's own (RecipeSpec.options),
+    ``module_kwargs`` more arguments of the PipelineModule (a recipe's ``build``).
     """
     from ds_ext.pipe import pipeline_module_class
     partition_method = partition_method or spec.default_partition
@@ -506,7 +509,7 @@ def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f
         layers=specs, num_stages=num_stages, topology=topology,
         loss_fn=spec.loss_fn(config, mtp_loss_weight=mtp_loss_weight), partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
-        checkpointable_layers=list(spec.checkpointable_layers), partition_bounds=bounds)
+        checkpointable_layers=list(spec.checkpointable_layers), partition_bounds=bounds, **(module_kwargs or {}))
 
 
 def expert_parallel_rank(*, stages, ep_size):

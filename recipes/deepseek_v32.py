@@ -1,0 +1,367 @@
+"""DeepSeek-V3.2 recipe: DeepSeek-V3 (MLA, DeepSeekMoE, RMSNorm, YaRN) with DeepSeek
+Sparse Attention in every layer: a lightning indexer picks ``index_topk`` keys per
+query and the attention reads only those (recipes/layers/dsa.py). Made by copying
+recipes/deepseek_v3.py; field names are transformers' DeepseekV32Config names, so
+``to_hf_config()`` gives a config that transformers loads as the same model.
+
+Training follows the DeepSeek-V3.2 report: ``dsa_stage="warmup"`` (dense attention;
+only the indexers learn, from their KL loss against the main attention) and then
+``dsa_stage="sparse"`` (top-k attention; everything learns, the indexer from its KL
+over the selected keys only). ``indexer_kl_weight`` scales that loss.
+
+    python -m recipes.deepseek_v32 --preset deepseek-v3.2 --stages 16 --schedule dualpipev
+prints the parameters each pipeline rank holds, built on the meta device.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ds_ext.errors import ConfigError
+from recipes.layers import costs, dsa, pipe, rope
+from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
+from recipes.layers.mlp import ACTIVATIONS
+from recipes.layers.pipe import (CausalLMLoss, EmbeddingPipe, FinalNormPipe, LMHeadPipe, check_stages,
+                                 mtp_next_embedding, tied_lm_head)
+from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
+
+
+@dataclass(kw_only=True)
+class DeepseekV32Config:
+    # shape
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # mla (V3.2 always has the query low-rank path: the indexer reads its latent)
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # dsa: the lightning indexer of each attention layer
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    # rope (the main attention rotates interleaved pairs, the indexer halves; not configurable)
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # moe: layer i is MoE when i >= first_k_dense_replace (and n_routed_experts > 0)
+    first_k_dense_replace: int = 0
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # mtp: DeepSeek-V3's multi-token prediction module (0 = off, 1 = depth 1)
+    num_mtp_layers: int = 0
+
+    rope_interleave = True      # read by MLAttention; a class constant, not a field
+
+    def check(self, where="recipe"):
+        positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "initializer_range"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
+        for name in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "moe_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_mtp_layers not in (0, 1):
+            raise ConfigError(f"{where}.num_mtp_layers must be 0 (off) or 1 (DeepSeek-V3's depth-1 MTP), "
+                              f"got {self.num_mtp_layers}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{where}.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError(f"{where}.index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
+                              f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope_head_dim dimensions")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"{where}.hidden_act {self.hidden_act!r} is not supported: use one of {list(ACTIVATIONS)}")
+        rope.check_rope_parameters(self.rope_parameters, where=f"{where}.rope_parameters")
+        if self.num_moe_layers():
+            self._check_moe(where)
+
+    def _check_moe(self, where):
+        e, g = self.n_routed_experts, self.n_group
+        if self.moe_intermediate_size <= 0:
+            raise ConfigError(f"{where}.moe_intermediate_size must be positive for MoE layers")
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(f"{where}.routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+        if g <= 0 or e % g:
+            raise ConfigError(f"{where}: n_routed_experts ({e}) must be divisible by n_group ({g})")
+        if e // g < 2:
+            raise ConfigError(f"{where}: each expert group needs >= 2 experts (group score = sum of its top 2); "
+                              f"n_routed_experts ({e}) / n_group ({g}) < 2")
+        if not 1 <= self.topk_group <= g:
+            raise ConfigError(f"{where}.topk_group ({self.topk_group}) must be between 1 and n_group ({g})")
+        if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
+            raise ConfigError(f"{where}.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                              f"topk_group * experts per group ({self.topk_group * (e // g)})")
+
+    def is_moe_layer(self, layer_idx):
+        return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    def num_moe_layers(self):
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def to_hf_config(self):
+        """The same model as a ``transformers.DeepseekV32Config`` (its MTP layer, which
+        transformers does not build, as ``num_nextn_predict_layers``)."""
+        from transformers import AutoConfig
+        fields = dataclasses.asdict(self)
+        fields["num_nextn_predict_layers"] = fields.pop("num_mtp_layers")
+        moe = self.num_moe_layers() > 0
+        fields["first_k_dense_replace"] = self.first_k_dense_replace if moe else self.num_hidden_layers
+        if not moe:
+            # transformers needs valid MoE fields even when every layer is dense
+            fields.update(n_routed_experts=max(self.n_routed_experts, 2), n_group=1, topk_group=1,
+                          num_experts_per_tok=1, moe_intermediate_size=max(self.moe_intermediate_size, 1))
+        return AutoConfig.for_model("deepseek_v32", **fields, num_key_value_heads=self.num_attention_heads,
+                                    pad_token_id=None)
+
+
+# Presets. deepseek-v3.2 is the released config.json of DeepSeek-V3.2-Exp: DeepSeek-V3's
+# shape (and YaRN factor 40) plus 64 indexer heads of 128 dimensions keeping 2048 keys.
+_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+             max_position_embeddings=1024, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+             qk_rope_head_dim=16, v_head_dim=32, index_topk=16, index_n_heads=8, index_head_dim=32)
+PRESETS = {
+    # A CPU step in well under a second; all layers dense; 16 keys per query, so
+    # sequences beyond 16 tokens attend sparsely.
+    "tiny": dict(_TINY, first_k_dense_replace=4),
+    # tiny with DeepSeekMoE layers after the first: 8 routed experts in 4 groups.
+    "tiny-moe": dict(_TINY, first_k_dense_replace=1, moe_intermediate_size=96, n_routed_experts=8,
+                     n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
+                     routed_scaling_factor=2.5),
+    "deepseek-v3.2": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+        max_position_embeddings=163840, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, index_topk=2048, index_n_heads=64, index_head_dim=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        first_k_dense_replace=3, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+
+
+def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
+    """A checked config from a named preset plus field overrides."""
+    return SPEC.make_config(preset, overrides, where=where)
+
+
+def _check_dsa(dsa_stage, indexer_kl_weight):
+    if dsa_stage not in DSA_STAGES:
+        raise ConfigError(f"DSA stage {dsa_stage!r} is unknown: use one of {list(DSA_STAGES)}")
+    if indexer_kl_weight < 0 or (dsa_stage == "warmup" and indexer_kl_weight <= 0):
+        raise ConfigError(f"the indexer KL weight must be >= 0 (> 0 for the warm-up, which trains the indexer only "
+                          f"from it), got {indexer_kl_weight}")
+
+
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, dsa_stage="sparse",
+                indexer_kl_weight=1.0):
+    """The model as DeepSpeed layer specs: embedding, DSA decoder layers, [MTP], final
+    norm, head (tied specs as in deepseek_v3.layer_specs)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    _check_dsa(dsa_stage, indexer_kl_weight)
+    mtp = config.num_mtp_layers > 0
+    if mtp and document_token is not None:
+        raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") does not support "
+                          "multi-token prediction yet: set num_mtp_layers to 0 or attention to \"causal\"")
+    carry = mtp or document_token is not None
+
+    def embed(**kw):
+        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=carry,
+                             tied_weight_attr=["embed_tokens.weight"], **kw)
+
+    specs = [embed() if config.tie_word_embeddings or mtp else
+             LayerSpec(EmbeddingPipe, config, seed=seed, carry_ids=carry)]
+    ep = dict(ep_size=ep_size, ep_rank=ep_rank)
+    dsa = dict(dsa_stage=dsa_stage, indexer_kl_weight=indexer_kl_weight)
+    specs += [LayerSpec(DSADecoderLayerPipe, config, layer_idx=i, seed=seed, document_token=document_token, **ep, **dsa)
+              for i in range(config.num_hidden_layers)]
+    if mtp:
+        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(DSAMTPLayerPipe, config, seed=seed, **ep, **dsa)]
+    specs.append(LayerSpec(FinalNormPipe, config))
+    specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
+    return specs
+
+
+DEFAULT_PARTITION = "type:DecoderLayerPipe"
+CHECKPOINTABLE_LAYERS = ("DSADecoderLayerPipe", "DSAMTPLayerPipe")
+
+
+def build_pipeline(config, *, dsa_stage="sparse", indexer_kl_weight=1.0, **kwargs):
+    """The model as a DeepSpeed PipelineModule (recipes.layers.pipe.build_pipeline's
+    arguments), plus the DSA training stage: under ``"warmup"`` every parameter but the
+    indexers' is frozen (the trainer passes only parameters that require a gradient to
+    deepspeed.initialize), and activation checkpointing uses DeepSpeed's non-reentrant
+    checkpoint, since the first stage's frozen embedding output carries no gradient
+    (the reentrant one would cut the backward off there)."""
+    module_kwargs = {}
+    if dsa_stage == "warmup":
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+        module_kwargs["activation_checkpoint_func"] = non_reentrant_checkpoint
+    module = pipe.build_pipeline(SPEC, config, module_kwargs=module_kwargs, dsa_stage=dsa_stage,
+                                 indexer_kl_weight=indexer_kl_weight, **kwargs)
+    if dsa_stage == "warmup":
+        freeze_for_warmup(module)
+    return module
+
+
+def loss_fn(config, *, mtp_loss_weight):
+    return CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0)
+
+
+def train_options(section):
+    """seekspeed.dsa: the stage ("sparse" unless set) and the indexer's KL weight (1.0)."""
+    stage = section.dsa.stage or "sparse"
+    if stage == "warmup" and section.moe.bias_update_speed > 0:
+        raise ConfigError(f"seekspeed.dsa.stage 'warmup' trains only the indexers, and seekspeed.moe.bias_update_speed "
+                          f"{section.moe.bias_update_speed} would still move the frozen routers' biases: set it to 0 "
+                          f"for the warm-up")
+    weight = section.dsa.indexer_loss_weight
+    return {"dsa_stage": stage, "indexer_kl_weight": 1.0 if weight is None else weight}
+
+
+def take_layer_losses(module):
+    value = dsa.take_indexer_loss(module)
+    return {} if value is None else {"indexer": value}
+
+
+def config_from_hf(fields):
+    """The recipe fields of a transformers DeepseekV32 config.json."""
+    names = {f.name for f in dataclasses.fields(DeepseekV32Config)}
+    out = {k: v for k, v in fields.items() if k in names}
+    if "num_nextn_predict_layers" in fields:
+        out["num_mtp_layers"] = fields["num_nextn_predict_layers"]
+    if fields.get("first_k_dense_replace", 0) >= fields.get("num_hidden_layers", 0):
+        out["n_routed_experts"] = 0          # every layer dense (to_hf_config's placeholders)
+    return out
+
+
+# ---- planner figures (ds_ext/profile/plan.py asks the recipe spec for these) ---------
+
+def mean_selected_keys(config, *, seq_len):
+    """Keys a query attends to, averaged over positions t in [0, seq_len] (the
+    continuous mean of min(index_topk, t)): seq_len / 2 while seq_len <= index_topk,
+    as for dense causal attention."""
+    k, s = config.index_topk, seq_len
+    return s / 2 if s <= k else k - k * k / (2 * s)
+
+
+def attention_flops(config, kind, *, seq_len, dsa_stage="sparse", **options):
+    """Forward FLOPs per token of one layer's non-weight matmuls, averaged over
+    positions (mean over t of the keys query t sees; seq_len / 2 causal keys):
+
+    - the indexer's scores over all causal keys: per key index_n_heads x (2 x
+      index_head_dim for q . k, + 2 for the weighted sum over heads);
+    - the main attention over min(index_topk, t) keys (``mean_selected_keys``): per key
+      2 x heads x (qk_head_dim + v_head_dim), as deepseek_v3's 2-FLOP convention;
+    - in training (``dsa_stage`` "warmup" or "sparse", None for inference) the KL
+      target's own q . k over the attended keys: 2 x heads x qk_head_dim per key
+      (the warm-up attends densely).
+
+    These are the FLOPs of the algorithm as a sparse kernel runs it; the masked SDPA
+    of recipes/layers/dsa.py computes every key of the row (seq_len, not causal, per
+    query) for the indexer, the attention and the KL target."""
+    if kind not in ("dense", "moe", "mtp-dense", "mtp-moe"):
+        return 0.0
+    c = config
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    causal = seq_len / 2
+    attended = causal if dsa_stage == "warmup" else mean_selected_keys(c, seq_len=seq_len)
+    indexer = causal * c.index_n_heads * (2 * c.index_head_dim + 2)
+    attention = attended * 2 * c.num_attention_heads * (qk + c.v_head_dim)
+    target = attended * 2 * c.num_attention_heads * qk if dsa_stage is not None else 0.0
+    return indexer + attention + target
+
+
+def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True, dsa_stage="sparse", **options):
+    """Bytes autograd keeps per token for one layer of ``kind``, counted from what the
+    DSA layers save: deepseek_v3's MLA and feed-forward terms (recipes/layers/costs.py
+    activation_bytes; the sparse attention's boolean mask is folded into the
+    scores, not kept) plus, while the indexer learns (``dsa_stage`` "warmup" or
+    "sparse"; None: no indexer loss), its graph: the rotated queries (index_n_heads x
+    index_head_dim) and key, the key projection's output (LayerNorm's input) and
+    LayerNorm's fp32 mean and rstd, the fp32 per-head weights, and the KL's fp32
+    gradient over the row's seq_len keys (the per-head scores are recomputed in the
+    backward). Its inputs are the main graph's (detached views of the same tensors),
+    except in the dense warm-up, where the main model keeps nothing and the indexer
+    keeps the hidden state and the query latent itself."""
+    c, a = config, act_bytes
+    main = costs.activation_bytes(c, kind, seq_len=seq_len, act_bytes=a, fused_attention=fused_attention)
+    if kind not in ("dense", "moe", "mtp-dense", "mtp-moe") or dsa_stage is None:
+        return main
+    heads, dim = c.index_n_heads, c.index_head_dim
+    indexer = a * (heads * dim + 2 * dim) + 4 * heads + 8 + 4 * seq_len
+    if dsa_stage == "warmup":
+        return indexer + a * (c.hidden_size + c.q_lora_rank)
+    return main + indexer
+
+
+SPEC = RecipeSpec(
+    name="deepseek_v32",
+    config_class=DeepseekV32Config,
+    presets=PRESETS,
+    layer_specs=layer_specs,
+    loss_fn=loss_fn,
+    build=build_pipeline,
+    default_partition=DEFAULT_PARTITION,
+    checkpointable_layers=CHECKPOINTABLE_LAYERS,
+    planner=PlannerCosts(layer_kind=costs.layer_kind, activation_bytes=activation_bytes,
+                         attention_flops=attention_flops),
+    hf=TransformersAdapter(
+        model_class="DeepseekV32ForCausalLM", to_hf_config=DeepseekV32Config.to_hf_config,
+        from_hf_config=config_from_hf,
+        identity_fields=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                         "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace",
+                         "index_topk", "index_n_heads", "index_head_dim")),
+    decoder=DSADecoder,
+    sections=("dsa",),
+    options=train_options,
+    layer_losses=("indexer",),
+    take_layer_losses=take_layer_losses,
+    configure_layer_losses=lambda module, *, grad_scale: dsa.configure_indexer(module, grad_scale=grad_scale),
+)
+
+
+def _main():
+    import argparse
+    from ds_ext.pipe import SCHEDULES
+    from recipes.layers.pipe import activated_parameters, stage_parameter_counts
+    parser = argparse.ArgumentParser(description="Parameters per pipeline rank, built on the meta device.")
+    parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS))
+    parser.add_argument("--stages", type=int, default=16)
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--partition", default=DEFAULT_PARTITION)
+    args = parser.parse_args()
+    config = make_config(args.preset)
+    check_stages(config, stages=args.stages, schedule=args.schedule)
+    rows = stage_parameter_counts(layer_specs(config, seed=0), stages=args.stages, schedule=args.schedule,
+                                  partition_method=args.partition)
+    print(f"{'rank':>4}  {'layers':<24} {'params':>16}  {'bf16 weights':>12}")
+    for row in rows:
+        ranges = ", ".join(f"[{a},{b})" for a, b in row["layer_ranges"])
+        print(f"{row['rank']:>4}  {ranges:<24} {row['params']:>16,}  {row['params'] * 2 / 2**30:>9.2f} GiB")
+    unique = rows[0]["unique_total"]
+    activated = activated_parameters(layer_specs(config, seed=0))
+    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B); activated per token: {activated:,} "
+          f"({activated / 1e9:.2f} B)")
+
+
+if __name__ == "__main__":
+    _main()
