@@ -541,3 +541,53 @@ def test_pipelined_step_equals_the_single_process_gradients(stage, schedule, int
         else:                               # DualPipeV's order of micro-batches (and W slots)
             assert_sum_close(captured[name], [t[name].numpy() for t in terms], what=name)
     assert sum(loss for _, _, loss in results) == pytest.approx(expected_loss, rel=1e-6)
+
+
+# ---- through the trainer, with expert parallelism -------------------------------------
+
+def _ep_config(tmp_path, schedule, stage):
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "ds_configs", "tiny_v32_moe_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
+    cfg.pop("scheduler")            # a constant learning rate: both steps move what trains
+    s = cfg["seekspeed"]
+    s.update(schedule=schedule, dsa={"stage": stage})
+    s["moe"].update(expert_parallel_size=2, bias_update_speed=0.0 if stage == "warmup" else 0.01)
+    s["data"]["seq_len"] = 64
+    s["checkpoint"]["interval_steps"] = 0
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    return str(path), s["train"]["seed"]
+
+
+# 1f1b and dualpipev-zb also train in tests/test_recipes.py (2 ranks, no expert parallelism);
+# dualpipev and dualpipev-zb with expert parallelism: benchmarks/deepseek_v32_schedules.py
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule,stage", [("1f1b", "warmup"), ("dualpipe", "sparse")])
+def test_trains_with_expert_parallelism(schedule, stage, tmp_path):
+    """4 ranks (2 stages x 2 replicas, expert parallelism 2), tiny-moe, 2 steps through
+    launch/train.py's main: the indexer loss is reported apart, and the warm-up changes
+    the indexers' weights only (every other tensor as initialised, bitwise)."""
+    import json
+    from ds_ext.hf_io import load_checkpoint_model
+    from tests.distributed import run_ranks
+    from tests.test_train_e2e import _trainer_rank
+    cfg, seed = _ep_config(tmp_path, schedule, stage)
+    ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
+    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
+                    args=(["--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt),
+                           "--summary-json", str(summary)],))
+    assert [r[0] for r in res] == [0] * 4, res
+    out = json.loads(summary.read_text())
+    assert out["layer_losses"]["indexer"] > 0 and "| indexer " in res[0][1], res[0][1][-2000:]
+    assert all(0 < x < 20 for x in out["losses"]), out["losses"]
+    if stage != "warmup":
+        return
+    config, trained, _ = load_checkpoint_model(str(ckpt))
+    initial = SequentialReference(deepseek_v32.layer_specs(config, seed=seed)).state_dict()
+    for name, value in trained.state_dict().items():
+        same = torch.equal(value, initial[name])
+        assert same != dsa.is_indexer_parameter(name), name

@@ -68,11 +68,38 @@ class _TimedSchedule:
                     overlap.after(i)
 
 
-class SeekspeedPipelineEngine(_TimedSchedule, PipelineEngine):
+class _FrozenExperts:
+    """Mixin: a model whose routed experts are all frozen (DeepSeek-V3.2's dense warm-up
+    trains only the indexers) has no MoE parameter group for the optimizer, which
+    DeepSpeed's ZeRO and BF16 optimizers assert on whenever the model has MoE layers.
+    While they are built the engine says it has none; everything else (expert
+    checkpoint files, expert groups) still sees the MoE layers."""
+
+    def _frozen_experts(self):
+        from deepspeed.moe.utils import is_moe_param
+        return self.has_moe_layers and not any(p.requires_grad and is_moe_param(p) for p in self.module.parameters())
+
+    def _with_moe_hidden(self, build, optimizer):
+        if not self._frozen_experts():
+            return build(optimizer)
+        self.has_moe_layers = False
+        try:
+            return build(optimizer)
+        finally:
+            self.has_moe_layers = True
+
+    def _configure_zero_optimizer(self, optimizer):
+        return self._with_moe_hidden(super()._configure_zero_optimizer, optimizer)
+
+    def _configure_bf16_optimizer(self, optimizer):
+        return self._with_moe_hidden(super()._configure_bf16_optimizer, optimizer)
+
+
+class SeekspeedPipelineEngine(_FrozenExperts, _TimedSchedule, PipelineEngine):
     """1f1b: DeepSpeed's PipelineEngine and TrainSchedule."""
 
 
-class SeekspeedDualPipeVEngineAsIs(_TimedSchedule, DualPipeVEngine):
+class SeekspeedDualPipeVEngineAsIs(_FrozenExperts, _TimedSchedule, DualPipeVEngine):
     """dualpipev: DeepSpeed's own DualPipeVEngine and DualPipeVSchedule."""
 
 
@@ -86,7 +113,7 @@ class _KeepAlive:
         self.work.wait()
 
 
-class SeekspeedDualPipeVEngine(_TimedSchedule, DualPipeVEngine):
+class SeekspeedDualPipeVEngine(_FrozenExperts, _TimedSchedule, DualPipeVEngine):
 
     # receives are posted this many CommitP2P groups ahead of their own (see _exec_schedule)
     PREPOST_GROUPS = 2
