@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 
 def parse_args(argv=None):

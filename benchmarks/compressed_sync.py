@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures  # noqa: E402
+from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures
 
 METHODS = {
     "deepspeed-dense": None,
