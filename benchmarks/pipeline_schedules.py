@@ -45,7 +45,7 @@ def _latency_rank(rounds):
     """Median one-way latency (ms) of a small gloo send between neighbouring ranks."""
     import torch
     from deepspeed import comm as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     x = torch.zeros(16)
     times = []
     for _ in range(rounds):

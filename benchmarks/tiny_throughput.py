@@ -71,7 +71,6 @@ def _launch(runs, name, steps, workdir):
 
 def _hf_worker(args):
     """One rank of the transformers + DeepSpeed data-parallel baseline."""
-    import time
     import torch
     import deepspeed
     from deepspeed import comm as dist

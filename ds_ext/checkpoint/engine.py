@@ -410,7 +410,8 @@ class AsyncCheckpointing:
         engine = getattr(self, "checkpoint_engine", None)
         return engine if isinstance(engine, AsyncCheckpointEngine) else None
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state     # DeepSpeed's default, not shared
         ckpt = self._async_checkpoints()
         if ckpt is None:
             return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
