@@ -22,8 +22,6 @@ import torch
 
 from ds_ext.errors import DataError
 
-_NPY_HEADER_MAX = 4096
-
 
 class ColdTier:
     """Reads shards from ``root`` (a local path or an fsspec URL), retrying with
