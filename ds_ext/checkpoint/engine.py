@@ -36,6 +36,8 @@ import torch.distributed as tdist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from ds_ext.fileio import fsync_directory
+
 from . import catalog, format as fmt, load as loader
 from .load import CheckpointError
 
@@ -302,7 +304,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         try:
             if job.error is None and not job.cancelled:
                 for root, _, _ in os.walk(job.staging):
-                    catalog.fsync_dir(root)
+                    fsync_directory(root)
         except OSError as exc:
             job.error = f"rank {self.rank} syncing {job.staging}: {exc}"
         job.done.set()
