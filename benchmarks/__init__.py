@@ -2,9 +2,10 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from ds_ext.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,12 +52,6 @@ def write_figures(path, figures):
     with open(path, "w") as f:
         json.dump(figures, f, indent=2)
     print(f"figures: {path}")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script_args, *, world, summary_json, what):

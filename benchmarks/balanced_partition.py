@@ -80,7 +80,7 @@ def planned(path, ranks):
 
 
 def run(path, *, ranks, steps, directory):
-    from tests.distributed import free_port
+    from ds_ext.distributed import free_port
     tag = os.path.splitext(os.path.basename(path))[0]
     summary, trace = os.path.join(directory, f"{tag}.summary.json"), os.path.join(directory, f"{tag}.trace")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",

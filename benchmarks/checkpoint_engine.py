@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 
 def parse_args(argv=None):
@@ -171,8 +171,8 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from ds_ext.trainer import _free_port
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from ds_ext.distributed import free_port
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import logging
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     from ds_ext.distributed import init_distributed

@@ -29,7 +29,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import launch, write_figures  # noqa: E402
+from benchmarks import launch, write_figures
 
 LAYOUTS = {"dense": ("tiny_cpu.json", 2, 1), "moe": ("tiny_moe_cpu.json", 4, 2)}
 

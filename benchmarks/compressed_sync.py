@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures  # noqa: E402
+from benchmarks import add_output_args, machine_line, run_for_rows, simcluster_cmd, write_figures
 
 METHODS = {
     "deepspeed-dense": None,
@@ -142,8 +142,6 @@ def _deepspeed(method, comm, batches, args, node_of):
             cpu_s.append(st.compress_s + st.decompress_s)
     times, tx = _timed_loop(step, args)
     wire = engine.grad_reducer.last.wire_bytes if engine.grad_reducer is not None else None
-    del engine, model
-    gc.collect()
     return times, tx, reduce_s, cpu_s, wire
 
 
@@ -165,8 +163,6 @@ def _ddp_powersgd(batches, args):
         _mse(model(x), y).backward()
         opt.step()
     times, tx = _timed_loop(step, args)
-    del model, opt
-    gc.collect()
     return times, tx, [], [], None
 
 
@@ -242,6 +238,9 @@ def _ranks(args):
             times, tx, reduce_s, cpu_s, wire = _ddp_powersgd(batches, args)
         else:
             times, tx, reduce_s, cpu_s, wire = _deepspeed(method, spec, batches, args, node_of)
+        # the method's engine or DDP model went with its function's frame; collect its
+        # reference cycles before the next method builds its own
+        gc.collect()
         tx = tx if counts_tx else 0.0
         mine = torch.tensor([statistics.median(times), statistics.median(reduce_s) if reduce_s else float("nan"),
                              statistics.median(cpu_s) if cpu_s else float("nan"), tx, compute_s])

@@ -26,6 +26,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ds_ext.distributed import free_port
 
 RUNS = {
     "none": {"compressor": "none"},
@@ -46,13 +49,6 @@ RUNS = {
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
-
-
-def _port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_one(name, comm, args, tmp):
@@ -82,7 +78,7 @@ def run_one(name, comm, args, tmp):
     summary = os.path.join(tmp, f"{name}-summary.json")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.ranks),
-           "--master_port", str(_port()), os.path.join(ROOT, "launch", "train.py"), "--deepspeed", path,
+           "--master_port", str(free_port()), os.path.join(ROOT, "launch", "train.py"), "--deepspeed", path,
            "--steps", str(args.steps), "--checkpoint-dir", os.path.join(tmp, f"ck-{name}"), "--summary-json",
            summary]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

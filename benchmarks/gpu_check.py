@@ -174,9 +174,8 @@ def part_checkpoint(workdir):
     from benchmarks import checkpoint_engine as bench
     from ds_ext.checkpoint.engine import AsyncCheckpointEngine
     from ds_ext.config import CheckpointSection
-    from ds_ext.distributed import init_distributed
-    from ds_ext.trainer import _free_port
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    from ds_ext.distributed import free_port, init_distributed
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.cuda.set_device(0)
     init_distributed()

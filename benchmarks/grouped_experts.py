@@ -25,10 +25,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
-from recipes import deepseek_v3  # noqa: E402
-from recipes.layers.hf import moe_layer_to_hf  # noqa: E402
-from recipes.layers.moe import DeepSeekMoE  # noqa: E402
+from benchmarks import machine_line, write_figures
+from recipes import deepseek_v3
+from recipes.layers.hf import moe_layer_to_hf
+from recipes.layers.moe import DeepSeekMoE
 
 # name -> (preset, overrides, tokens). DeepSeek-V2-Lite's MoE layer (64 routed experts,
 # top-6, 2 shared experts of moe_intermediate 1408) at hidden 512 (the shape users

@@ -55,8 +55,8 @@ def main():
     rows = []
     for mib in args.sizes:
         x = torch.ones(mib * 2**20 // 4)
-        flat, flat_runs = _timed(lambda: tdist.all_reduce(x), args.repeats)
-        hier, hier_runs = _timed(lambda: hierarchical_all_reduce(x, groups, segments=args.segments), args.repeats)
+        flat, flat_runs = _timed(lambda: tdist.all_reduce(x), args.repeats)  # noqa: B023
+        hier, hier_runs = _timed(lambda: hierarchical_all_reduce(x, groups, segments=args.segments), args.repeats)  # noqa: B023
         size = mib * 2**20
         bound = size / link_bps if groups.num_nodes == 2 else float("nan")
         rows.append({"mib": mib, "flat_s": flat, "hierarchical_s": hier, "speedup": flat / hier, "bound_s": bound,

@@ -19,11 +19,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
-from recipes import deepseek_v3  # noqa: E402
-from recipes.layers.hf import copy_into_transformers  # noqa: E402
-from recipes.layers.latent_kv import LatentKVCache, MLADecoder, full_kv_bytes_per_token  # noqa: E402
-from recipes.layers.pipe import SequentialReference  # noqa: E402
+from benchmarks import machine_line, write_figures
+from recipes import deepseek_v3
+from recipes.layers.hf import copy_into_transformers
+from recipes.layers.latent_kv import LatentKVCache, MLADecoder, full_kv_bytes_per_token
+from recipes.layers.pipe import SequentialReference
 
 SHAPES = {
     "tiny-moe": ("tiny-moe", {}),

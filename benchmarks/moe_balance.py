@@ -16,7 +16,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import launch  # noqa: E402
+from benchmarks import launch
 CONFIG = os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json")
 
 

@@ -41,7 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 ENGINES = [("1f1b", "none"), ("dualpipev-zb", "none"), ("dualpipev-zb", "layer"), ("dualpipe", "none"),
            ("dualpipe", "layer")]
@@ -135,8 +135,8 @@ def _ranks(args):
             fb = [(s, e) for name, _, s, e in events if name == "ForwardBackwardPass"]
 
             def total(kind, inside=False):
-                return sum(e - s for name, _, s, e in events if name == kind and
-                           (not inside or any(fs <= s and e <= fe for fs, fe in fb)))
+                return sum(e - s for name, _, s, e in events if name == kind and  # noqa: B023
+                           (not inside or any(fs <= s and e <= fe for fs, fe in fb)))  # noqa: B023
             d = per[key]
             d["step"].append(elapsed)
             d["issued"].append(total("AllToAll"))

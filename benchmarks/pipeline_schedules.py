@@ -327,7 +327,7 @@ def main():
           f"{'ovh/instr':>9} {'bubble':>7} {'sim bub':>7} {'others':>7}")
     for r in rows:
         def f(key, fmt="8.1f"):
-            v = r.get(key)
+            v = r.get(key)  # noqa: B023
             return format(v, fmt) if v is not None else f"{'-':>{fmt.split('.')[0]}}"
         print(f"{r['schedule']:<18} {r['micro_batches']:>3} {r['step_ms']:8.1f} {f('formula_ms')} "
               f"{f('simulated_ms', '9.1f')} {f('simulated_with_overhead_ms')} "

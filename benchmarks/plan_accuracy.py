@@ -24,7 +24,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import free_port, launch, write_figures  # noqa: E402
+from benchmarks import launch, write_figures
+from ds_ext.distributed import free_port
 
 RUNS = {"1f1b": "tiny_cpu.json", "dualpipev": "tiny_dualpipev_cpu.json", "dualpipev-zb": "tiny_dualpipev_cpu.json"}
 

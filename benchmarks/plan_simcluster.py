@@ -43,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import grad_overlap, machine_line, run_for_rows, simcluster_cmd, write_figures  # noqa: E402
+from benchmarks import grad_overlap, machine_line, run_for_rows, simcluster_cmd, write_figures
 
 SCHEDULES = ("1f1b", "dualpipev-zb")
 SETTINGS = ("steps", "warmup", "layers", "hidden", "seq", "micro_batch", "gas", "zero")

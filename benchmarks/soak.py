@@ -30,7 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import free_port, machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
+from ds_ext.distributed import free_port
 
 
 def parse_args(argv=None):

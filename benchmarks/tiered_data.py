@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 MODES = ("direct", "lru", "lru+prefetch", "next-use+prefetch")
 

@@ -33,7 +33,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import launch, machine_line, write_figures  # noqa: E402
+from benchmarks import launch, machine_line, write_figures
 
 RUNS = {
     "1f1b": ["launch/train.py", "--deepspeed", "ds_configs/tiny_cpu.json"],
@@ -71,7 +71,6 @@ def _launch(runs, name, steps, workdir):
 
 def _hf_worker(args):
     """One rank of the transformers + DeepSpeed data-parallel baseline."""
-    import time
     import torch
     import deepspeed
     from deepspeed import comm as dist

@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import write_figures  # noqa: E402
+from benchmarks import write_figures
 
 
 def _stage_gradient(config, *, nodes, per_node):

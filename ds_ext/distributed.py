@@ -1,4 +1,5 @@
-"""deepspeed.init_distributed, plus a clean-up DeepSpeed 0.19.8 leaves undone on CPU.
+"""deepspeed.init_distributed, plus a clean-up DeepSpeed 0.19.8 leaves undone on CPU;
+and ``free_port`` for the master port of a run on one machine.
 
 DeepSpeed's CPU accelerator builds a shared-memory all-reduce op that creates one
 69 MB POSIX shared-memory object per rank (``/dev/shm/deepspeed_allreduce_buffer_
@@ -10,6 +11,16 @@ until the processes exit, and nothing is left behind.
 """
 
 import os
+import socket
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it), for a
+    MASTER_PORT or a launcher's --master_port. Another process may still take it
+    before the caller binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _own_shm_buffer(rank):

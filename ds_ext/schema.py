@@ -110,7 +110,3 @@ def from_dict(cls, data, *, where):
 
 def allowed_keys(cls):
     return [f.name for f in dataclasses.fields(cls) if f.init]
-
-
-def to_dict(obj):
-    return dataclasses.asdict(obj)

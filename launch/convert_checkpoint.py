@@ -18,8 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_ext.checkpoint.convert import to_deepspeed  # noqa: E402
-from ds_ext.errors import SeekspeedError  # noqa: E402
+from ds_ext.checkpoint.convert import to_deepspeed
+from ds_ext.errors import SeekspeedError
 
 
 def main(argv=None):

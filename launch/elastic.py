@@ -33,8 +33,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ds_ext.fileio import atomic_write
 
 USER_ERROR = 2
 DEFAULT_PROBE = "ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true"
@@ -118,10 +121,7 @@ def live_hostfile(path, *, probe, timeout, log=print):
             lines.append(line)
     directory = os.path.dirname(os.path.abspath(path))
     out = os.path.join(directory, f".{os.path.basename(path)}.live")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.replace(tmp, out)
+    atomic_write(out, "".join(line + "\n" for line in lines))
     log(f"elastic: {len(live)} of {len(live) + len(lost)} hosts answer"
         + (f" (lost: {', '.join(lost)})" if lost else "") + f"; hostfile {out}")
     return out, live, lost

@@ -96,11 +96,6 @@ class SimCluster:
         self.down()
 
 
-def leftover_namespaces(prefix):
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
-
-
 def run(args):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     logdir = args.log_dir or tempfile.mkdtemp(prefix="simcluster-logs-")

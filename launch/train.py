@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_ext.trainer import main  # noqa: E402
+from ds_ext.trainer import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,10 +18,11 @@ which a comparison that holds only by the luck of one CPU's kernels does not sur
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import tempfile
 import time
 import traceback
+
+from ds_ext.distributed import free_port
 
 
 class RankFailure(AssertionError):
@@ -31,12 +32,6 @@ class RankFailure(AssertionError):
 def compute_threads():
     """The thread count tests compute with (``SEEKSPEED_TEST_THREADS``, default 1)."""
     return int(os.environ.get("SEEKSPEED_TEST_THREADS", "1"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plain(value):

@@ -97,7 +97,7 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
-    ep2 = lambda c: c["seekspeed"]["moe"].update(expert_parallel_size=2)     # noqa: E731
+    ep2 = lambda c: c["seekspeed"]["moe"].update(expert_parallel_size=2)
     full = _train(_config(tmp / "async.json", "tiny_moe_cpu.json", engine="async-zstd", mutate=ep2),
                   tmp / "async", world=4, steps=4)
     part = tmp / "resumed"
@@ -250,8 +250,8 @@ def test_deepspeed_tools_on_a_converted_checkpoint(dense, moe, converted, tmp_pa
     # no weights (module None) and an MoE pipeline's glob also takes in the expert files
     failures = {}
     for layout, run in (("dense", dense), ("moe", moe)):
-        ours = _failure(lambda: get_fp32_state_dict_from_zero_checkpoint(str(converted[layout])))
-        theirs = _failure(lambda: get_fp32_state_dict_from_zero_checkpoint(str(run["deepspeed"])))
+        ours = _failure(lambda: get_fp32_state_dict_from_zero_checkpoint(str(converted[layout])))  # noqa: B023
+        theirs = _failure(lambda: get_fp32_state_dict_from_zero_checkpoint(str(run["deepspeed"])))  # noqa: B023
         assert ours == theirs and ours[2:] == ("zero_to_fp32.py", "parse_model_states"), (ours, theirs)
         failures[layout] = ours[:2]
     assert failures == {"dense": ("AttributeError", "'NoneType' object has no attribute 'items'"),

@@ -16,7 +16,6 @@ from ds_ext.errors import ConfigError
 from ds_ext.checkpoint import CheckpointError
 from ds_ext.hf_io import check_hf_dir, export_hf, load_hf_into_module
 from recipes import deepseek_v3
-from recipes.layers.hf import embedding_is_tied
 from recipes.layers.pipe import SequentialReference
 from tests.distributed import run_ranks
 from tests.test_train_e2e import _trainer_rank

@@ -9,7 +9,6 @@ the same flags. Single process plus one real launcher run; about 10 s."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 from deepspeed.launcher import runner
 
 from ds_ext.config import TopologySection
+from ds_ext.distributed import free_port
 from ds_ext.errors import ConfigError
 from ds_ext.topology import hostfile as hf
 from ds_ext.topology.setup import bandwidth_matrix, hostfile_nodes
@@ -163,9 +163,7 @@ def test_real_launcher_with_include(tmp_path):
     section = _section(tmp_path)
     (tmp_path / "probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), DS_ACCELERATOR="cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", section.hostfile,
                            "--include", "worker-1:1,3", "--no_ssh", "--node_rank", "0", "--master_addr", "127.0.0.1",
                            "--master_port", str(port), str(tmp_path / "probe.py")],

@@ -165,7 +165,7 @@ def _hierarchical(sizes, segments):
 @pytest.mark.multirank
 def test_hierarchical_all_reduce_equals_flat():
     results = run_ranks(_hierarchical, world_size=4, args=([1, 7, 1000, 4099], 4), timeout=120)
-    for rails, node_ranks, checks in results:
+    for rails, _node_ranks, checks in results:
         assert rails == [[0, 2], [1, 3]]
         for exact, within in checks:
             assert exact and within

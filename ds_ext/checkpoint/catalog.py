@@ -20,6 +20,8 @@ import re
 import shutil
 import time
 
+from ds_ext.fileio import atomic_write, fsync_directory
+
 from .format import CorruptCheckpointError, verify
 
 MANIFEST = "manifest.json"
@@ -46,29 +48,12 @@ def step_of(tag):
     return int(m.group(1)) if m else None
 
 
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path, data):
     """Write ``data`` (bytes) to ``path`` so that readers see the old file or the new
-    one, never a mix: temporary file, fsync, rename, fsync of the directory."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    one, never a mix, and the new one survives a crash: temporary file, fsync, rename,
+    fsync of the directory. (One name for the manifest and ``latest`` writes, which
+    tests/checkpoint_worker.py traces.)"""
+    atomic_write(path, data, fsync=True, fsync_dir=True)
 
 
 def read_manifest(directory):
@@ -169,7 +154,7 @@ def publish(staging, *, save_dir, tag, manifest, update_latest=True):
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     try:
-        fsync_dir(save_dir)
+        fsync_directory(save_dir)
         if update_latest:
             write_atomic(os.path.join(save_dir, LATEST), tag.encode())
     except OSError as exc:

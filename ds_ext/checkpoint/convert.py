@@ -20,6 +20,7 @@ import time
 import torch
 
 from ds_ext.errors import ConfigError
+from ds_ext.fileio import fsync_directory
 from . import catalog
 from .load import CheckpointError, kind_of, open_tag
 
@@ -92,9 +93,9 @@ def to_deepspeed(ckpt_dir, out_dir, *, tag=None, log=print):
                 os.chmod(target, os.stat(target).st_mode | stat.S_IEXEC)
         catalog.write_atomic(os.path.join(tmp, catalog.LATEST), ckpt.tag.encode())
         for root, _, _ in os.walk(tmp):
-            catalog.fsync_dir(root)
+            fsync_directory(root)
         os.replace(tmp, out_dir)       # atomic, onto a missing or empty directory
-        catalog.fsync_dir(parent)
+        fsync_directory(parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):

@@ -36,6 +36,8 @@ import torch.distributed as tdist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from ds_ext.fileio import fsync_directory
+
 from . import catalog, format as fmt, load as loader
 from .load import CheckpointError
 
@@ -302,7 +304,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         try:
             if job.error is None and not job.cancelled:
                 for root, _, _ in os.walk(job.staging):
-                    catalog.fsync_dir(root)
+                    fsync_directory(root)
         except OSError as exc:
             job.error = f"rank {self.rank} syncing {job.staging}: {exc}"
         job.done.set()
@@ -410,7 +412,8 @@ class AsyncCheckpointing:
         engine = getattr(self, "checkpoint_engine", None)
         return engine if isinstance(engine, AsyncCheckpointEngine) else None
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state     # DeepSpeed's default, not shared
         ckpt = self._async_checkpoints()
         if ckpt is None:
             return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,

@@ -72,10 +72,6 @@ def model_file(tag_dir, *, stage):
     return os.path.join(tag_dir, f"mp_rank_{stage:02d}_model_states.pt")
 
 
-def layer_file(tag_dir, index):
-    return os.path.join(tag_dir, f"layer_{index:02d}-model_states.pt")
-
-
 def _load(engine, path):
     if not os.path.isfile(path):
         raise ReshardError(f"{path} is missing: the checkpoint is incomplete or was written with another layout "

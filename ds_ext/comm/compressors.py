@@ -237,7 +237,7 @@ class TopK:
                     return (ys.index_select(0, pick) + sample if ys is not None else sample).abs()
                 threshold = self._threshold(n, magnitude_at)
                 hits, bad = fused.accumulate_select(xs, ys, outs, float(threshold))
-                sel = None if bad else self._at_most(hits, lambda i: acc[part][i].abs(), k)
+                sel = None if bad else self._at_most(hits, lambda i: acc[part][i].abs(), k)  # noqa: B023
             if bad:              # the step is skipped: no need to select from the rest
                 self.generator.set_state(generator_state)
                 return new, acc, None, False

@@ -141,7 +141,8 @@ class CompressedReduction:
         finally:
             del opt.allreduce_bucket, opt.gradient_reduction_w_predivide
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state     # DeepSpeed's default, not shared
         # this rank's compression state (state.py; --resume restores it) goes into the checkpoint
         # first, through the same checkpoint engine (AsyncCheckpointing, before this mixin, has begun the save)
         if self.grad_reducer is not None:

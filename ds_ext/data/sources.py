@@ -8,10 +8,10 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 from ds_ext.errors import ConfigError, DataError
+from ds_ext.fileio import atomic_open
 
 DEMO_MAX_BYTES = 8 * 2**20
 _EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -32,27 +32,20 @@ def stdlib_corpus(max_bytes=DEMO_MAX_BYTES):
     root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".stdlib-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for path in sorted(root.rglob("*.py")):
-                if "site-packages" in path.parts or total >= max_bytes:
-                    continue
-                try:
-                    text = path.read_text(encoding="utf-8")
-                except (UnicodeDecodeError, OSError):
-                    continue
-                if not text.strip():
-                    continue
-                f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
-                total += len(text)
+    with atomic_open(out, "w") as f:
+        for path in sorted(root.rglob("*.py")):
+            if "site-packages" in path.parts or total >= max_bytes:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if not text.strip():
+                continue
+            f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
+            total += len(text)
         if total == 0:
             raise DataError(f"no readable .py files under {root}: set seekspeed.data.source to a local corpus")
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return out
 
 

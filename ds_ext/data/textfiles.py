@@ -140,7 +140,7 @@ def _json_rows(path, field, errors, seen):
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            text, flag = _decode(raw, errors=errors, path=path, line_of=lambda offset: (number, offset + 1))
+            text, flag = _decode(raw, errors=errors, path=path, line_of=lambda offset: (number, offset + 1))  # noqa: B023
             if text is None:
                 yield {field: None, FLAG: flag}
                 continue

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from ds_ext.errors import DataError
-
-_NPY_HEADER_MAX = 4096
+from ds_ext.fileio import atomic_open
 
 
 class ColdTier:
@@ -101,22 +100,15 @@ class ColdTier:
 
     def copy_to(self, name, dest, *, chunk=4 << 20):
         """Copy shard ``name`` to the local path ``dest`` (temporary file, then rename)."""
-        tmp = f"{dest}.part"
-
         def go():
-            with self._open(name) as src, open(tmp, "wb") as out:
+            with self._open(name) as src, atomic_open(dest, "wb") as out:
                 while True:
                     data = src.read(chunk)
                     if not data:
                         break
                     self._pace(len(data))
                     out.write(data)
-            os.replace(tmp, dest)
-        try:
-            return self._retrying(self._url(name), go)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        return self._retrying(self._url(name), go)
 
 
 def npy_header_bytes(f):

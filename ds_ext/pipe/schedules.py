@@ -200,10 +200,5 @@ class DualPipeVZBSchedule(DualPipeSteps):
         return not (starts_here if kind in ("recv_fwd", "send_bwd") else ends_here)
 
 
-def flatten(schedule):
-    """All instructions of a schedule, in order."""
-    return [cmd for step in schedule.steps() for cmd in step]
-
-
-__all__ = ["WeightPass", "ForwardBackwardPass", "DualPipeSteps", "DualPipeVZBSchedule", "flatten",
+__all__ = ["WeightPass", "ForwardBackwardPass", "DualPipeSteps", "DualPipeVZBSchedule",
            "BufferOpInstruction"]

@@ -1,10 +1,10 @@
-"""Pipeline timelines: a recorded run's (or the simulator's) per-rank instruction
-times written as a Chrome trace (chrome://tracing, Perfetto) and as a PNG with one
-lane per rank, forward / backward / weight-gradient chunks coloured. The MoE
-all-to-alls get a lane of their own under each rank: in flight (issued to waited) and
-the part the rank was blocked on them, so what was hidden behind compute shows; so do the
-data-parallel gradient reductions of ``seekspeed.overlap_grad_reduce`` (issued to done per
-chunk, and the wait at ReduceGrads)."""
+"""Pipeline timelines: a recorded run's per-rank instruction times written as a
+Chrome trace (chrome://tracing, Perfetto) and as a PNG with one lane per rank,
+forward / backward / weight-gradient chunks coloured. The MoE all-to-alls get a lane
+of their own under each rank: in flight (issued to waited) and the part the rank was
+blocked on them, so what was hidden behind compute shows; so do the data-parallel
+gradient reductions of ``seekspeed.overlap_grad_reduce`` (issued to done per chunk,
+and the wait at ReduceGrads)."""
 
 import json
 
@@ -45,15 +45,6 @@ def from_engine_events(events, *, origin=None):
                      f"data-parallel reduction in flight: chunk {kwargs.get('chunk', '')}")
         out.append((kind, label, (start - origin) * 1e3, (end - origin) * 1e3))
     return out
-
-
-def from_simulation(result):
-    """(kind, label, start, end) lanes from a simulate.Result (costs in its units)."""
-    lanes = []
-    for ops in result.timeline:
-        lanes.append([(op.kind, f"{op.kind} s{op.stage} mb{op.mb}" if op.stage >= 0 else op.kind, op.start, op.end)
-                      for op in ops])
-    return lanes
 
 
 def write_chrome_trace(lanes, path, *, name="pipeline"):

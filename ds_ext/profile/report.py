@@ -18,6 +18,8 @@ import math
 import os
 import struct
 
+from ds_ext.fileio import atomic_open
+
 METRICS_FILE = "metrics.csv"
 EXPERT_LOAD_FILE = "expert_load.csv"
 EXPERT_LOAD_COLUMNS = ("step", "layer", "expert", "tokens")
@@ -56,8 +58,7 @@ def _keep_through(path, *, columns, start_step, log):
         return
     step_at = header.index("step")
     dropped = malformed = 0
-    tmp = path + ".tmp"
-    with open(path, newline="") as f, open(tmp, "w", newline="") as out:
+    with open(path, newline="") as f, atomic_open(path, "w", newline="", fsync=True) as out:
         reader, writer = csv.reader(f), csv.writer(out)
         writer.writerow(next(reader))
         for row in reader:
@@ -71,9 +72,6 @@ def _keep_through(path, *, columns, start_step, log):
                 writer.writerow(row)
             else:
                 dropped += 1
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
     if dropped or malformed:
         log(f"{path}: resuming from step {start_step}, dropped {dropped} row(s) of later steps "
             f"(from a run that stopped after its last checkpoint) and {malformed} incomplete row(s)")
@@ -237,9 +235,8 @@ def _figure(*, width, height):
 def _save(fig, out_png):
     out_png = os.fspath(out_png)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    tmp = out_png + ".tmp"
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, out_png)
+    with atomic_open(out_png, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
 
 
 def _lines(ax, series, names, *, colors=None):
