@@ -12,12 +12,12 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import time
 
 from .checkpointer import Checkpointer
 from .config import print_warnings
+from .distributed import free_port
 from .errors import DataError, SeekspeedError
 from .progress import fmt_duration, peak_rss_mib
 from .run_plan import _partition_method, check_partition, partition_for, validate
@@ -28,7 +28,7 @@ from recipes.layers import moe
 # importers of ds_ext.trainer use these; check_partition, partition_for and
 # _partition_method (ds_ext/profile/plan.py) live in ds_ext/run_plan.py
 __all__ = ["main", "parse_args", "validate", "check_partition", "partition_for", "moe_step_update",
-           "_partition_method", "_free_port"]
+           "_partition_method"]
 
 
 def parse_args(argv=None):
@@ -56,17 +56,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_env():
     """Plain ``python launch/train.py``: a one-rank world on this machine."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 class _ControlPlane:

@@ -13,8 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_ext.errors import SeekspeedError  # noqa: E402
-from ds_ext.hf_io import export_hf  # noqa: E402
+from ds_ext.errors import SeekspeedError
+from ds_ext.hf_io import export_hf
 
 
 def _size(text):

@@ -23,8 +23,8 @@ def layer_kind(spec, config):
         return "norm"
     if issubclass(cls, LMHeadPipe):
         return "head"
-    raise NotCostable(f"not a subclass of recipes.layers.pipe's Embedding/DecoderLayer/MTPLayer/FinalNorm/LMHead "
-                      f"Pipe")
+    raise NotCostable("not a subclass of recipes.layers.pipe's Embedding/DecoderLayer/MTPLayer/FinalNorm/LMHead "
+                      "Pipe")
 
 
 def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True, **options):

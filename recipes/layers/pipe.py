@@ -14,7 +14,7 @@ from ds_ext.pipe.zero_bubble import Linear
 
 from .mla import MLAttention
 from .mlp import SwiGLU
-from .moe import DeepSeekMoE, ExpertMLP, TopkRouter
+from .moe import DeepSeekMoE, TopkRouter
 from .norm import RMSNorm
 
 IGNORE_INDEX = -100
