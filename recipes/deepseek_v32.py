@@ -17,11 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
-from recipes.layers import costs, dsa, pipe, rope
+from recipes.layers import checks, costs, dsa, pipe
 from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
-from recipes.layers.mlp import ACTIVATIONS
-from recipes.layers.pipe import (CausalLMLoss, EmbeddingPipe, FinalNormPipe, LMHeadPipe, check_stages,
-                                 mtp_next_embedding, tied_lm_head)
+from recipes.layers.pipe import (CausalLMLoss, EmbeddingPipe, FinalNormPipe, LMHeadPipe, mtp_next_embedding, tied_lm_head)
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 
 
@@ -67,48 +65,10 @@ class DeepseekV32Config:
     rope_interleave = True      # read by MLAttention; a class constant, not a field
 
     def check(self, where="recipe"):
-        positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
-        for name in ("rms_norm_eps", "initializer_range"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
-        for name in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "moe_intermediate_size"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
-        if self.num_mtp_layers not in (0, 1):
-            raise ConfigError(f"{where}.num_mtp_layers must be 0 (off) or 1 (DeepSeek-V3's depth-1 MTP), "
-                              f"got {self.num_mtp_layers}")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{where}.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        checks.check_mla_model(self, where, positive=("q_lora_rank", "index_topk", "index_n_heads", "index_head_dim"))
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ConfigError(f"{where}.index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
                               f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope_head_dim dimensions")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"{where}.hidden_act {self.hidden_act!r} is not supported: use one of {list(ACTIVATIONS)}")
-        rope.check_rope_parameters(self.rope_parameters, where=f"{where}.rope_parameters")
-        if self.num_moe_layers():
-            self._check_moe(where)
-
-    def _check_moe(self, where):
-        e, g = self.n_routed_experts, self.n_group
-        if self.moe_intermediate_size <= 0:
-            raise ConfigError(f"{where}.moe_intermediate_size must be positive for MoE layers")
-        if self.routed_scaling_factor <= 0:
-            raise ConfigError(f"{where}.routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
-        if g <= 0 or e % g:
-            raise ConfigError(f"{where}: n_routed_experts ({e}) must be divisible by n_group ({g})")
-        if e // g < 2:
-            raise ConfigError(f"{where}: each expert group needs >= 2 experts (group score = sum of its top 2); "
-                              f"n_routed_experts ({e}) / n_group ({g}) < 2")
-        if not 1 <= self.topk_group <= g:
-            raise ConfigError(f"{where}.topk_group ({self.topk_group}) must be between 1 and n_group ({g})")
-        if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
-            raise ConfigError(f"{where}.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
-                              f"topk_group * experts per group ({self.topk_group * (e // g)})")
 
     def is_moe_layer(self, layer_idx):
         return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
@@ -339,29 +299,6 @@ SPEC = RecipeSpec(
 )
 
 
-def _main():
-    import argparse
-    from ds_ext.pipe import SCHEDULES
-    from recipes.layers.pipe import activated_parameters, stage_parameter_counts
-    parser = argparse.ArgumentParser(description="Parameters per pipeline rank, built on the meta device.")
-    parser.add_argument("--preset", default="deepseek-v3.2", choices=sorted(PRESETS))
-    parser.add_argument("--stages", type=int, default=16)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    parser.add_argument("--partition", default=DEFAULT_PARTITION)
-    args = parser.parse_args()
-    config = make_config(args.preset)
-    check_stages(config, stages=args.stages, schedule=args.schedule)
-    rows = stage_parameter_counts(layer_specs(config, seed=0), stages=args.stages, schedule=args.schedule,
-                                  partition_method=args.partition)
-    print(f"{'rank':>4}  {'layers':<24} {'params':>16}  {'bf16 weights':>12}")
-    for row in rows:
-        ranges = ", ".join(f"[{a},{b})" for a, b in row["layer_ranges"])
-        print(f"{row['rank']:>4}  {ranges:<24} {row['params']:>16,}  {row['params'] * 2 / 2**30:>9.2f} GiB")
-    unique = rows[0]["unique_total"]
-    activated = activated_parameters(layer_specs(config, seed=0))
-    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B); activated per token: {activated:,} "
-          f"({activated / 1e9:.2f} B)")
-
-
 if __name__ == "__main__":
-    _main()
+    from recipes.layers.pipe import print_stage_parameters
+    print_stage_parameters(SPEC, default_preset="deepseek-v3.2")

@@ -69,3 +69,22 @@ def assert_same_checkpoint_weights(ckpt_a, ckpt_b, tag):
     differ = {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
     assert not differ, f"{tag}: {len(differ)} of {len(a)} tensors differ from {ckpt_a} (elements: " \
                        f"{dict(list(differ.items())[:3])})"
+
+
+def saved_bytes_per_token(layer, x):
+    """Bytes of the tensors autograd keeps for ``layer(x)`` (parameters not counted, each
+    storage once), per token of ``x`` [batch, seq, ...]: what the planner's activation
+    model is checked against."""
+    import torch
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(kept.values()) / (x.shape[0] * x.shape[1])

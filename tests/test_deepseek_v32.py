@@ -31,7 +31,7 @@ from recipes import deepseek_v32
 from recipes.layers import dsa
 from recipes.layers.hf import copy_into_transformers, load_hf_state_dict, to_hf_state_dict
 from recipes.layers.pipe import SequentialReference
-from tests.numerics import assert_sum_close
+from tests.numerics import assert_sum_close, saved_bytes_per_token
 
 SEQ = 48
 # L_I of near-equal distributions is a small difference of sums of O(log T) terms
@@ -393,21 +393,6 @@ def test_cache_holds_the_indexer_keys():
         assert cache.bytes_per_token() == config.num_hidden_layers * per_layer * 2
 
 
-def _saved_bytes_per_token(layer, x):
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    kept = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(kept.values()) / (x.shape[0] * x.shape[1])
-
-
 @pytest.mark.parametrize("preset,layer_idx,kind", [("tiny", 0, "dense"), ("tiny-moe", 1, "moe")])
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_activation_bytes_against_autograd(preset, layer_idx, kind, stage):
@@ -417,7 +402,7 @@ def test_activation_bytes_against_autograd(preset, layer_idx, kind, stage):
     layer = dsa.DSADecoderLayerPipe(config, layer_idx=layer_idx, seed=0, dsa_stage=stage, indexer_kl_weight=1.0).train()
     if stage == "warmup":
         dsa.freeze_for_warmup(layer)
-    measured = _saved_bytes_per_token(layer, torch.randn(2, 64, config.hidden_size, requires_grad=True))
+    measured = saved_bytes_per_token(layer, torch.randn(2, 64, config.hidden_size, requires_grad=True))
     model = deepseek_v32.activation_bytes(config, kind, seq_len=64, act_bytes=4, fused_attention=False,
                                           dsa_stage=stage)
     assert abs(model - measured) / measured < 0.15, (model, measured)

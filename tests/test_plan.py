@@ -16,6 +16,7 @@ import torch
 from ds_ext.profile.plan import Hardware, make_plan
 from recipes.layers.costs import activation_bytes as layer_activation_bytes
 from tests.distributed import run_ranks
+from tests.numerics import saved_bytes_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,21 +64,6 @@ def test_total_equals_transformers_deepseek_v3(tmp_path):
     assert plan.total_params == sum(st.params for st in plan.stages)      # ep 1, untied: each layer once
 
 
-def _saved_bytes_per_token(layer, x):
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    kept = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(kept.values()) / (x.shape[0] * x.shape[1])
-
-
 @pytest.mark.parametrize("preset,layer_idx,kind", [("tiny", 0, "dense"), ("tiny-moe", 1, "moe")])
 @pytest.mark.parametrize("seq", [64, 128])
 def test_activation_model_against_autograd(preset, layer_idx, kind, seq):
@@ -87,7 +73,7 @@ def test_activation_model_against_autograd(preset, layer_idx, kind, seq):
     from recipes.layers.pipe import DecoderLayerPipe
     config = deepseek_v3.make_config(preset)
     layer = DecoderLayerPipe(config, layer_idx=layer_idx, seed=0).train()
-    measured = _saved_bytes_per_token(layer, torch.randn(2, seq, config.hidden_size, requires_grad=True))
+    measured = saved_bytes_per_token(layer, torch.randn(2, seq, config.hidden_size, requires_grad=True))
     model = layer_activation_bytes(config, kind, seq_len=seq, act_bytes=4, fused_attention=False)
     assert abs(model - measured) / measured < 0.15, (model, measured)
 

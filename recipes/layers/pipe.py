@@ -591,3 +591,28 @@ def layer_warnings(spec, specs, *, schedule, checkpoint_interval):
                            f"{f' (and {len(plain) - 1} more)' if len(plain) > 1 else ''}: under {schedule} its weight "
                            f"gradient is computed in B, not deferred to a W slot; use ds_ext.pipe.zero_bubble.Linear")
     return out
+
+
+def print_stage_parameters(spec, *, default_preset, argv=None):
+    """``python -m recipes.<name>``: the parameters each pipeline rank holds and the
+    parameters one token passes through, built on the meta device."""
+    import argparse
+
+    from ds_ext.pipe import SCHEDULES
+    parser = argparse.ArgumentParser(description="Parameters per pipeline rank, built on the meta device.")
+    parser.add_argument("--preset", default=default_preset, choices=sorted(spec.presets))
+    parser.add_argument("--stages", type=int, default=16)
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--partition", default=spec.default_partition)
+    args = parser.parse_args(argv)
+    config = spec.make_config(args.preset)
+    spec.check_stages(config, stages=args.stages, schedule=args.schedule)
+    specs = spec.layer_specs(config, seed=0)
+    rows = stage_parameter_counts(specs, stages=args.stages, schedule=args.schedule, partition_method=args.partition)
+    print(f"{'rank':>4}  {'layers':<24} {'params':>16}  {'bf16 weights':>12}")
+    for row in rows:
+        ranges = ", ".join(f"[{a},{b})" for a, b in row["layer_ranges"])
+        print(f"{row['rank']:>4}  {ranges:<24} {row['params']:>16,}  {row['params'] * 2 / 2**30:>9.2f} GiB")
+    unique, activated = rows[0]["unique_total"], activated_parameters(specs)
+    print(f"total (unique): {unique:,} parameters ({unique / 1e9:.2f} B); activated per token: {activated:,} "
+          f"({activated / 1e9:.2f} B)")
