@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from ds_ext.errors import ConfigError
 from recipes.layers import checks, costs
 from recipes.layers.latent_kv import MLADecoder
-from recipes.layers.pipe import (CausalLMLoss, DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
-                                 MTPLayerPipe, mtp_next_embedding, tied_lm_head)
+from recipes.layers.pipe import CausalLMLoss, DecoderLayerPipe, MTPLayerPipe, decoder_stack_specs
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 
 
@@ -126,35 +125,11 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
 
 
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None):
-    """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final
-    norm, head.
-
-    With tie_word_embeddings the embedding and the head are one TiedLayerSpec key, so
-    DeepSpeed keeps the matrix on both end stages and sums their gradients. The MTP
-    module shares the embedding the same way (and the head, which it calls after the
-    main head's input on the last stage).
-    """
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    mtp = config.num_mtp_layers > 0
-    if mtp and document_token is not None:
-        raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") does not support "
-                          "multi-token prediction yet: set num_mtp_layers to 0 or attention to \"causal\"")
-    carry = mtp or document_token is not None
-
-    def embed(**kw):
-        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=carry,
-                             tied_weight_attr=["embed_tokens.weight"], **kw)
-
-    specs = [embed() if config.tie_word_embeddings or mtp else
-             LayerSpec(EmbeddingPipe, config, seed=seed, carry_ids=carry)]
-    ep = dict(ep_size=ep_size, ep_rank=ep_rank)
-    specs += [LayerSpec(DecoderLayerPipe, config, layer_idx=i, seed=seed, document_token=document_token, **ep)
-              for i in range(config.num_hidden_layers)]
-    if mtp:
-        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(MTPLayerPipe, config, seed=seed, **ep)]
-    specs.append(LayerSpec(FinalNormPipe, config))
-    specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
-    return specs
+    """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final norm,
+    head (recipes.layers.pipe.decoder_stack_specs; a new model changes the classes or
+    the list here)."""
+    return decoder_stack_specs(config, seed=seed, decoder=DecoderLayerPipe, mtp_layer=MTPLayerPipe, ep_size=ep_size,
+                               ep_rank=ep_rank, document_token=document_token)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ds_ext.errors import ConfigError
 from recipes.layers import checks, costs, dsa, pipe
 from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
-from recipes.layers.pipe import (CausalLMLoss, EmbeddingPipe, FinalNormPipe, LMHeadPipe, mtp_next_embedding, tied_lm_head)
+from recipes.layers.pipe import CausalLMLoss, decoder_stack_specs
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 
 
@@ -133,30 +133,11 @@ def _check_dsa(dsa_stage, indexer_kl_weight):
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, dsa_stage="sparse",
                 indexer_kl_weight=1.0):
     """The model as DeepSpeed layer specs: embedding, DSA decoder layers, [MTP], final
-    norm, head (tied specs as in deepseek_v3.layer_specs)."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    norm, head (recipes.layers.pipe.decoder_stack_specs with the DSA layer classes)."""
     _check_dsa(dsa_stage, indexer_kl_weight)
-    mtp = config.num_mtp_layers > 0
-    if mtp and document_token is not None:
-        raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") does not support "
-                          "multi-token prediction yet: set num_mtp_layers to 0 or attention to \"causal\"")
-    carry = mtp or document_token is not None
-
-    def embed(**kw):
-        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=carry,
-                             tied_weight_attr=["embed_tokens.weight"], **kw)
-
-    specs = [embed() if config.tie_word_embeddings or mtp else
-             LayerSpec(EmbeddingPipe, config, seed=seed, carry_ids=carry)]
-    ep = dict(ep_size=ep_size, ep_rank=ep_rank)
-    dsa = dict(dsa_stage=dsa_stage, indexer_kl_weight=indexer_kl_weight)
-    specs += [LayerSpec(DSADecoderLayerPipe, config, layer_idx=i, seed=seed, document_token=document_token, **ep, **dsa)
-              for i in range(config.num_hidden_layers)]
-    if mtp:
-        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(DSAMTPLayerPipe, config, seed=seed, **ep, **dsa)]
-    specs.append(LayerSpec(FinalNormPipe, config))
-    specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
-    return specs
+    return decoder_stack_specs(config, seed=seed, decoder=DSADecoderLayerPipe, mtp_layer=DSAMTPLayerPipe,
+                               ep_size=ep_size, ep_rank=ep_rank, document_token=document_token, dsa_stage=dsa_stage,
+                               indexer_kl_weight=indexer_kl_weight)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

@@ -48,7 +48,7 @@ def test_stages_are_balanced_and_fit_the_model(name, world):
     cfg = _cfg(name, world)
     s = cfg.section
     config = deepseek_v3.make_config(s.recipe.preset, s.recipe.overrides)
-    deepseek_v3.check_stages(config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
+    deepseek_v3.SPEC.check_stages(config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
     rows = stage_parameter_counts(deepseek_v3.layer_specs(config, seed=0), stages=cfg.layout.pipe_stages,
                                   schedule=s.schedule, partition_method=partition_for(cfg, deepseek_v3.SPEC, config))
     params = [r["params"] for r in rows]

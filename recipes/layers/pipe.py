@@ -481,6 +481,44 @@ class SequentialReference(nn.Module):
 
 # ---- a recipe's pipeline (recipes.spec.RecipeSpec.build_pipeline) ------------------
 
+def decoder_stack_specs(config, *, seed, decoder=None, mtp_layer=None, ep_size=1, ep_rank=0, document_token=None,
+                        **layer_kwargs):
+    """A DeepSeek-style model as DeepSpeed layer specs: embedding, ``decoder`` layers
+    (``config.num_hidden_layers`` of them; DecoderLayerPipe by default), [``mtp_layer``:
+    DeepSeek-V3's MTP module, when num_mtp_layers is 1], final norm, head.
+    ``layer_kwargs`` go to every decoder and MTP layer.
+
+    With tie_word_embeddings the embedding and the head are one TiedLayerSpec key, so
+    DeepSpeed keeps the matrix on both end stages and sums their gradients. The MTP
+    module shares the embedding the same way (and the head, which it calls after the
+    main head's input on the last stage).
+    """
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from ds_ext.errors import ConfigError
+    decoder, mtp_layer = decoder or DecoderLayerPipe, mtp_layer or MTPLayerPipe
+    mtp = config.num_mtp_layers > 0
+    if mtp and document_token is not None:
+        raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") does not support "
+                          "multi-token prediction yet: set num_mtp_layers to 0 or attention to \"causal\"")
+    carry = mtp or document_token is not None
+
+    def embed(**kw):
+        return TiedLayerSpec("embed", EmbeddingPipe, config, seed=seed, carry_ids=carry,
+                             tied_weight_attr=["embed_tokens.weight"], **kw)
+
+    specs = [embed() if config.tie_word_embeddings or mtp else
+             LayerSpec(EmbeddingPipe, config, seed=seed, carry_ids=carry)]
+    layer = dict(ep_size=ep_size, ep_rank=ep_rank, **layer_kwargs)
+    specs += [LayerSpec(decoder, config, layer_idx=i, seed=seed, document_token=document_token, **layer)
+              for i in range(config.num_hidden_layers)]
+    if mtp:
+        specs += [embed(forward_fn=mtp_next_embedding), LayerSpec(mtp_layer, config, seed=seed, **layer)]
+    specs.append(LayerSpec(FinalNormPipe, config))
+    specs.append(embed(forward_fn=tied_lm_head) if config.tie_word_embeddings else LayerSpec(LMHeadPipe, config, seed=seed))
+    return specs
+
+
 def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f1b", partition_method=None,
                    activation_checkpoint_interval=0, seed=1234, mtp_loss_weight=0.3, expert_parallel_size=1,
                    document_token=None, module_kwargs=None, **options):
