@@ -53,7 +53,7 @@ class RecipeSection:
     overrides: dict = field(default_factory=dict)
 
 
-DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
+DATA_FORMATS = ("auto", "text", "json", "parquet", "saved", "megatron")
 # bytes of a text/json file that are not UTF-8: stop ("strict"), decode as U+FFFD ("replace"),
 # leave out the documents that have any ("skip")
 ENCODING_ERRORS = ("strict", "replace", "skip")
@@ -112,6 +112,7 @@ class DataSection:
     prefetch: bool = True             # fetch the shards the known order needs next, in the background
     rows_per_shard: int = 2048
     shuffle_window: int = 4           # shards whose rows are shuffled together
+    part_mb: float = 256.0            # the build's unit of work: about this much source data per part
     # tiered: several sources with weights (replaces source/format/text_field/max_documents)
     mixture: list[MixtureSource] = field(default_factory=list)
 
@@ -123,6 +124,11 @@ class DataSection:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         if self.hot_budget_mb <= 0:
             raise ConfigError(f"{where}.hot_budget_mb must be positive, got {self.hot_budget_mb}")
+        if self.part_mb <= 0:
+            raise ConfigError(f"{where}.part_mb must be positive, got {self.part_mb}")
+        if self.pipeline != "tiered" and "megatron" in [self.format] + [m.format for m in self.mixture]:
+            raise ConfigError(f"{where}.format \"megatron\" (token ids already) needs {where}.pipeline \"tiered\": "
+                              f"set it (the memory pipeline tokenises text)")
         if self.seq_len < 2:
             raise ConfigError(f"{where}.seq_len must be >= 2, got {self.seq_len}")
         if self.num_proc < 1:

@@ -410,9 +410,11 @@ def test_prepare_data_reports_the_undecodable_documents(tmp_path, capsys):
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     assert prepare_data.main(["--deepspeed", str(tmp_path / "cfg.json")]) == 0
     out = capsys.readouterr().out
-    assert "(300 documents; 3 documents with bytes that are not UTF-8 decoded with U+FFFD)" in out, out
+    assert "(300 documents, 51,680 tokens; 3 documents with bytes that are not UTF-8 decoded with U+FFFD)" in out, out
     cfg["seekspeed"]["data"]["encoding_errors"] = "strict"
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     assert prepare_data.main(["--deepspeed", str(tmp_path / "cfg.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: seekspeed.data.source ") and "mixed.jsonl:11:" in err[0]
+    # one error line, last, and no traceback (datatrove's own progress lines may come before it)
+    assert [l for l in err if l.startswith("error:")] == err[-1:] and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("error: seekspeed.data.source ") and "mixed.jsonl:11:" in err[-1]

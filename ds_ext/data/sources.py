@@ -14,6 +14,7 @@ from ds_ext.errors import ConfigError, DataError
 from ds_ext.fileio import atomic_open
 
 DEMO_MAX_BYTES = 8 * 2**20
+_MEGATRON = (".bin", ".idx")       # a Megatron indexed dataset (megatron.py)
 _EXTENSIONS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                ".parquet": "parquet"}
 
@@ -55,6 +56,8 @@ def _format_of(path, fmt):
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             return "saved"
+        if any(p.suffix in _MEGATRON for p in path.iterdir()):
+            return "megatron"
         formats = {_EXTENSIONS.get(p.suffix) for p in path.iterdir() if p.is_file()} - {None}
         if len(formats) != 1:
             found = sorted(formats) or "no .txt/.md/.json/.jsonl/.parquet files at its top level"
@@ -62,6 +65,8 @@ def _format_of(path, fmt):
                               f"(found {found}); files must sit directly in it, all of one format "
                               f"(subdirectories are not read)")
         return formats.pop()
+    if path.suffix in _MEGATRON:
+        return "megatron"
     if path.suffix not in _EXTENSIONS:
         raise ConfigError(f"seekspeed.data.source {path}: unknown extension {path.suffix!r}; "
                           f"set seekspeed.data.format to text, json or parquet")
@@ -105,6 +110,8 @@ def resolve_source(data):
         hub_name(data.source)
         return "hub", data.source
     path = Path(data.source).expanduser()
+    if not path.exists() and path.with_name(path.name + ".idx").exists():      # a Megatron prefix
+        return "megatron", path
     if not path.exists():
         raise ConfigError(f"seekspeed.data.source {data.source} does not exist: point it at a local "
                           f"text/json/parquet file or directory, or use \"stdlib\" for the demo corpus")
@@ -121,6 +128,9 @@ def load_documents(data):
     # datasets logs a failed read before raising it; we report it once, in one line
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     fmt, path = resolve_source(data)
+    if fmt == "megatron":
+        raise ConfigError(f"seekspeed.data.source {path} is a Megatron indexed dataset (token ids already): set "
+                          f"seekspeed.data.pipeline to \"tiered\" (the memory pipeline tokenises text)")
     text_field = data.text_field
     if path is None:
         path, text_field = stdlib_corpus(), "text"

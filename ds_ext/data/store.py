@@ -15,6 +15,8 @@ index disagrees is replaced only once its rebuild is complete). ``index.json`` a
 counts the documents whose undecodable bytes were replaced or that were skipped.
 """
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -26,18 +28,25 @@ from pathlib import Path
 import numpy as np
 
 from ds_ext.errors import DataError
+from ds_ext.fileio import atomic_write
 
-from .sources import load_documents, resolve_source, stdlib_corpus
-from .textfiles import describe_undecodable, undecodable_counts
+from .sources import resolve_source, stdlib_corpus
+from .textfiles import describe_undecodable
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX = "index.json"
+PLAN = "plan.json"
+PART = "part.json"
 
 
-def _fingerprint(path):
+def _fingerprint(path, fmt):
     if path is None:
         return None
     path = Path(path)
+    if fmt == "megatron":                           # every prefix's .bin and .idx
+        from .megatron import megatron_prefixes
+        files = [Path(prefix + ext) for prefix in megatron_prefixes(path) for ext in (".bin", ".idx")]
+        return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return [(str(p.relative_to(path) if path.is_dir() else p.name), p.stat().st_size, p.stat().st_mtime_ns)
             for p in files]
@@ -52,12 +61,12 @@ def cache_key(data, tokenizer, *, rows_per_shard):
         from .sources import hub_revision
         source, files = path, hub_revision(path)
     else:
-        source, files = str(Path(path).resolve()), _fingerprint(path)
+        source, files = str(Path(path).resolve()), _fingerprint(path, fmt)
     settings = {"version": FORMAT_VERSION, "source": source, "files": files,
                 "format": fmt, "text_field": data.text_field, "max_documents": data.max_documents,
                 "encoding_errors": data.encoding_errors,
                 "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos": tokenizer.eos_token_id,
-                "row_len": data.seq_len + 1, "rows_per_shard": rows_per_shard}
+                "row_len": data.seq_len + 1, "rows_per_shard": rows_per_shard, "part_mb": data.part_mb}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return settings, digest
 
@@ -90,110 +99,241 @@ class PackedStore:
 def open_store(directory, *, settings=None):
     """The cache in ``directory``; None when it is missing or was built with other
     settings than ``settings`` (then it is rebuilt, never reused)."""
-    path = os.path.join(directory, INDEX)
-    try:
-        with open(path) as f:
-            index = json.load(f)
-    except (OSError, ValueError):
+    index = _read_json(os.path.join(directory, INDEX))
+    if index is None:
         return None
     if settings is not None and index.get("settings") != json.loads(json.dumps(settings)):
         return None
     return PackedStore(directory, index)
 
 
-def build(data, tokenizer, *, root, rows_per_shard, log=print):
-    """Build (or find) the packed cache for ``data`` under ``root``; returns its PackedStore."""
-    settings, key = cache_key(data, tokenizer, rows_per_shard=rows_per_shard)
-    final = os.path.join(root, key)
-    store = open_store(final, settings=settings)
-    if store is not None:
-        return store
-    stale = os.path.exists(final)                   # other settings or an unreadable index: never reused
-    if stale:
-        log(f"data: {final} does not match the current settings; rebuilding it")
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=root, prefix=f".building-{key}-")
-    old = None
+def _read_json(path):
     try:
-        index = _write_shards(data, tokenizer, settings=settings, directory=tmp, rows_per_shard=rows_per_shard,
-                              log=log)
-        with open(os.path.join(tmp, INDEX), "w") as f:
-            json.dump(index, f, indent=1)
-        if stale:                                   # set aside only now that its replacement is complete
-            old = tempfile.mkdtemp(dir=root, prefix=f".stale-{key}-")
-            os.rename(final, os.path.join(old, key))
-        os.rename(tmp, final)
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class BuildPlan:
+    """One source's build: its settings and key, the parts it is cut into, and the
+    directory the parts are packed into (``<root>/.building-<key>``; kept across
+    interrupted runs, so a rerun packs only the parts that are missing)."""
+
+    def __init__(self, data, tokenizer, *, root, rows_per_shard):
+        from .parts import plan_parts
+        self.data, self.root, self.rows_per_shard = data, str(root), rows_per_shard
+        self.settings, self.key = cache_key(data, tokenizer, rows_per_shard=rows_per_shard)
+        self.final = os.path.join(self.root, self.key)
+        self.directory = os.path.join(self.root, f".building-{self.key}")
+        self.row_len = data.seq_len + 1
+        self.dtype = np.dtype(token_dtype(tokenizer.vocab_size)).name
+        self.done = open_store(self.final, settings=self.settings)
+        self.format = self.parts = None
+        if self.done is None:
+            self.format, self.parts = plan_parts(data)
+
+    def write(self):
+        """Create the build directory with plan.json (the parts), unless one is there."""
+        os.makedirs(self.directory, exist_ok=True)
+        plan = {"settings": self.settings, "format": self.format, "parts": self.parts}
+        old = _read_json(os.path.join(self.directory, PLAN))
+        if old is not None and old == json.loads(json.dumps(plan)):
+            return
+        if old is not None:                         # another cut (part_mb changed the key anyway): start over
+            shutil.rmtree(os.path.join(self.directory, "parts"), ignore_errors=True)
+        atomic_write(os.path.join(self.directory, PLAN), json.dumps(plan, indent=1))
+
+    def part_dir(self, i):
+        return os.path.join(self.directory, "parts", f"part_{i:06d}")
+
+    def missing(self):
+        """Indices of the parts not yet packed."""
+        return [i for i in range(len(self.parts)) if not os.path.exists(os.path.join(self.part_dir(i), PART))]
+
+    @contextlib.contextmanager
+    def removed_on_bad_input(self):
+        """Remove the build directory when the input is at fault (a DataError): fixing the
+        input changes the key, so nothing there would be resumed; any other failure
+        (a killed task, a full disk) leaves the packed parts for a rerun."""
+        try:
+            yield
+        except DataError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+
+    def record_error(self, rank, exc):
+        """Keep the bad-input error of task ``rank`` for the driver (``raise_task_errors``)."""
+        os.makedirs(os.path.join(self.directory, "errors"), exist_ok=True)
+        atomic_write(os.path.join(self.directory, "errors", f"task_{rank:05d}.txt"), str(exc))
+
+    def raise_task_errors(self):
+        """The first task's bad-input error as a DataError, if any task recorded one."""
+        folder = os.path.join(self.directory, "errors")
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if names:
+            with open(os.path.join(folder, names[0])) as f:
+                message = f.read()
+            more = f" (and {len(names) - 1} more task{'s' * (len(names) > 2)} stopped)" if len(names) > 1 else ""
+            raise DataError(message + more)
+
+    def tasks_of(self, rank, world_size):
+        """The parts task ``rank`` of ``world_size`` packs (every world_size-th)."""
+        return list(range(rank, len(self.parts), world_size))
+
+
+def run_task(plan, tokenizer, *, rank, world_size, log=print):
+    """Pack the parts of task ``rank`` that are not packed yet."""
+    mine = plan.tasks_of(rank, world_size)
+    missing = set(plan.missing())
+    todo = [i for i in mine if i in missing]
+    if len(todo) < len(mine):
+        log(f"data: task {rank}/{world_size}: {len(mine) - len(todo)} of its {len(mine)} parts already packed")
+    for n, i in enumerate(todo):
+        for stale in glob.glob(os.path.join(plan.directory, "parts", f".part_{i:06d}-*")):     # a died task's
+            shutil.rmtree(stale, ignore_errors=True)
+        manifest = pack_part(plan, tokenizer, i)
+        log(f"data: task {rank}/{world_size}: part {i} ({n + 1}/{len(todo)}) packed: {manifest['rows']:,} rows, "
+            f"{manifest['documents']:,} documents, {manifest['tokens'] / max(manifest['build_s'], 1e-9):,.0f} tokens/s")
+
+
+def pack_part(plan, tokenizer, i):
+    """Pack part ``i`` into its directory: shards of whole rows (the part's last shard
+    may be shorter, the tokens after its last whole row are dropped) and part.json;
+    written to a temporary directory renamed into place."""
+    from .parts import documents
+    start = time.perf_counter()
+    parts_dir = os.path.join(plan.directory, "parts")
+    os.makedirs(parts_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parts_dir, prefix=f".part_{i:06d}-")
+    final = plan.part_dir(i)
+    rel = os.path.relpath(final, plan.directory)
+    row_len, dtype, vocab = plan.row_len, np.dtype(plan.dtype), tokenizer.vocab_size
+    per_shard = plan.rows_per_shard * row_len
+    pending, pending_len = [], 0
+    shards, counts, docs, tokens = [], {}, 0, 0
+
+    def emit(flat):
+        name = f"shard_{len(shards):04d}.npy"
+        np.save(os.path.join(tmp, name), flat.reshape(-1, row_len))
+        shards.append({"name": f"{rel}/{name}", "rows": flat.size // row_len,
+                       "bytes": os.path.getsize(os.path.join(tmp, name))})
+
+    try:
+        for batch in documents(plan.data, plan.format, plan.parts[i], tokenizer, counts):
+            top = max(int(d.max()) for d in batch)
+            if top >= vocab or min(int(d.min()) for d in batch) < 0:
+                raise DataError(f"token id {top} >= vocab_size {vocab}: the tokenizer and the model disagree")
+            pending.extend(d.astype(dtype) for d in batch)
+            pending_len += sum(d.size for d in batch)
+            docs += len(batch)
+            while pending_len >= per_shard:
+                flat = np.concatenate(pending)
+                emit(flat[:per_shard])
+                rest = flat[per_shard:]
+                pending, pending_len = [rest], rest.size
+                tokens += per_shard
+        whole = pending_len // row_len * row_len
+        if whole:                                   # a last, shorter shard of whole rows
+            emit(np.concatenate(pending)[:whole])
+            tokens += whole
+        manifest = {"index": i, "shards": shards, "rows": sum(sh["rows"] for sh in shards), "documents": docs,
+                    "tokens": tokens, "dropped_tokens": pending_len - whole, "replaced": counts.get("replaced", 0),
+                    "skipped": counts.get("skipped", 0), "build_s": time.perf_counter() - start}
+        with open(os.path.join(tmp, PART), "w") as f:
+            json.dump(manifest, f)
+        try:
+            os.rename(tmp, final)
+        except OSError:                             # packed meanwhile by another builder: same rows
+            if not os.path.exists(os.path.join(final, PART)):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(final):
-            os.rename(os.path.join(old, key), final)
+        raise
+    return manifest
+
+
+def finish(plan, *, log=print):
+    """Write index.json once every part is packed and rename the build into place
+    (replacing a stale cache only now that its rebuild is complete)."""
+    plan.raise_task_errors()
+    missing = plan.missing()
+    if missing:
+        raise DataError(f"{plan.directory}: {len(missing)} of {len(plan.parts)} parts are not packed yet "
+                        f"(parts {_ranges(missing)}): run the remaining tasks again (a rerun packs only those)")
+    manifests = [_read_json(os.path.join(plan.part_dir(i), PART)) for i in range(len(plan.parts))]
+    shards = [sh for m in manifests for sh in m["shards"]]
+    documents = sum(m["documents"] for m in manifests)
+    if documents == 0:
+        raise DataError(f"the corpus {plan.data.source} has no non-empty documents in column "
+                        f"{plan.data.text_field!r}: add data or fix seekspeed.data.text_field")
+    if not shards:
+        dropped = sum(m["dropped_tokens"] for m in manifests)
+        raise DataError(f"the corpus {plan.data.source} has {dropped} tokens, fewer than one sequence of seq_len + 1 "
+                        f"= {plan.row_len} in any part: add data or lower seekspeed.data.seq_len")
+    index = {"settings": plan.settings, "rows": sum(sh["rows"] for sh in shards), "row_len": plan.row_len,
+             "dtype": plan.dtype, "rows_per_shard": plan.rows_per_shard, "shards": shards,
+             "parts": len(manifests), "documents": documents, "tokens": sum(m["tokens"] for m in manifests),
+             "dropped_tokens": sum(m["dropped_tokens"] for m in manifests),
+             "replaced_documents": sum(m["replaced"] for m in manifests),
+             "skipped_documents": sum(m["skipped"] for m in manifests),
+             "build_s": sum(m["build_s"] for m in manifests)}
+    atomic_write(os.path.join(plan.directory, INDEX), json.dumps(index, indent=1))
+    old = None
+    try:
+        if os.path.exists(plan.final):
+            if open_store(plan.final, settings=plan.settings) is not None:     # finished by another builder
+                shutil.rmtree(plan.directory, ignore_errors=True)
+                return open_store(plan.final, settings=plan.settings)
+            log(f"data: {plan.final} does not match the current settings; replacing it with the rebuild")
+            old = tempfile.mkdtemp(dir=plan.root, prefix=f".stale-{plan.key}-")
+            os.rename(plan.final, os.path.join(old, plan.key))
+        os.rename(plan.directory, plan.final)
+    except BaseException:
+        if old is not None and not os.path.exists(plan.final):
+            os.rename(os.path.join(old, plan.key), plan.final)
         raise
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    return PackedStore(final, index)
+    undecodable = describe_undecodable(index["replaced_documents"], index["skipped_documents"])
+    log(f"data: packed {documents:,} documents into {index['rows']:,} rows of {plan.row_len} tokens in "
+        f"{len(shards)} shards from {len(manifests)} part{'s' * (len(manifests) != 1)} "
+        f"({index['build_s']:.1f} s of packing, {index['tokens'] / max(index['build_s'], 1e-9):,.0f} tokens/s)"
+        f"{'; ' + undecodable if undecodable else ''}")
+    return PackedStore(plan.final, index)
 
 
-def _write_shards(data, tokenizer, *, settings, directory, rows_per_shard, log):
-    start = time.perf_counter()
-    ds, field = load_documents(data)
-    replaced, skipped = undecodable_counts(ds)
-    ds = ds.filter(lambda batch: [isinstance(t, str) and bool(t) for t in batch[field]], batched=True)
-    if data.max_documents is not None:
-        ds = ds.select(range(min(data.max_documents, len(ds))))
-    if len(ds) == 0:
-        raise DataError(f"the corpus {data.source} has no non-empty documents in column {field!r}: add data or "
-                        f"fix seekspeed.data.text_field")
-    tokens = ds.map(lambda batch: {"input_ids": tokenizer.encode_documents(batch[field])}, batched=True,
-                    num_proc=data.num_proc if data.num_proc > 1 else None, remove_columns=ds.column_names)
-    row_len = data.seq_len + 1
-    dtype = token_dtype(tokenizer.vocab_size)
-    per_shard = rows_per_shard * row_len
-    pending, pending_len = [], 0
-    shards, total_tokens, documents = [], 0, 0
-    last_report = time.perf_counter()
+def _ranges(indices):
+    out, start = [], None
+    for a, b in zip(indices, indices[1:] + [None]):
+        start = a if start is None else start
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = None
+    return ", ".join(out[:8]) + (", ..." if len(out) > 8 else "")
 
-    def emit(flat):
-        name = f"shard_{len(shards):05d}.npy"
-        rows = flat.reshape(-1, row_len)
-        np.save(os.path.join(directory, name), rows)
-        shards.append({"name": name, "rows": len(rows), "bytes": os.path.getsize(os.path.join(directory, name))})
 
-    for batch in tokens.iter(batch_size=1000):
-        for ids in batch["input_ids"]:
-            arr = np.asarray(ids, dtype=np.int64)
-            if arr.size and (arr.max() >= tokenizer.vocab_size or arr.min() < 0):
-                raise DataError(f"token id {int(arr.max())} >= vocab_size {tokenizer.vocab_size}: the tokenizer and "
-                                f"the model disagree")
-            pending.append(arr.astype(dtype))
-            pending_len += arr.size
-            documents += 1
-        while pending_len >= per_shard:
-            flat = np.concatenate(pending)
-            emit(flat[:per_shard])
-            rest = flat[per_shard:]
-            pending, pending_len = [rest], rest.size
-            total_tokens += per_shard
-        if time.perf_counter() - last_report > 10:
-            last_report = time.perf_counter()
-            log(f"data: packing {documents:,} documents so far, {len(shards)} shards, "
-                f"{(total_tokens + pending_len) / (time.perf_counter() - start):,.0f} tokens/s")
-    if pending_len >= row_len:                       # a last, shorter shard of whole rows
-        flat = np.concatenate(pending)
-        whole = flat.size // row_len * row_len
-        emit(flat[:whole])
-        total_tokens += whole
-    if not shards:
-        raise DataError(f"the corpus {data.source} has {pending_len} tokens, fewer than one sequence of seq_len + 1 "
-                        f"= {row_len}: add data or lower seekspeed.data.seq_len")
-    elapsed = time.perf_counter() - start
-    rows = sum(s["rows"] for s in shards)
-    undecodable = describe_undecodable(replaced, skipped)
-    log(f"data: packed {documents:,} documents into {rows:,} rows of {row_len} tokens in {len(shards)} shards "
-        f"({elapsed:.1f} s, {total_tokens / max(elapsed, 1e-9):,.0f} tokens/s){'; ' + undecodable if undecodable else ''}")
-    return {"settings": settings, "rows": rows, "row_len": row_len, "dtype": np.dtype(dtype).name,
-            "rows_per_shard": rows_per_shard, "shards": shards, "documents": documents, "tokens": total_tokens,
-            "replaced_documents": replaced, "skipped_documents": skipped, "build_s": elapsed}
+def build(data, tokenizer, *, root, rows_per_shard, log=print):
+    """Build (or find) the packed cache for ``data`` under ``root``; returns its
+    PackedStore. The parts are packed here, in order (``data.num_proc`` > 1: by that
+    many local processes of datatrove's local executor), exactly as
+    ``launch/prepare_data.py`` packs them."""
+    plan = BuildPlan(data, tokenizer, root=root, rows_per_shard=rows_per_shard)
+    if plan.done is not None:
+        return plan.done
+    if os.path.exists(plan.final):
+        log(f"data: {plan.final} does not match the current settings; rebuilding it")
+    plan.write()
+    with plan.removed_on_bad_input():
+        if data.num_proc > 1 and len(plan.parts) > 1:
+            from .prepare import run_executor
+            run_executor(plan, tokenizer, executor="local", tasks=min(data.num_proc, len(plan.parts)),
+                         workers=data.num_proc, log=log)
+        else:
+            run_task(plan, tokenizer, rank=0, world_size=1, log=log)
+        return finish(plan, log=log)
 
 
 class ShardSet:

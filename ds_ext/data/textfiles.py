@@ -71,15 +71,45 @@ def describe_undecodable(replaced, skipped):
 
 
 def _rows(files, fmt, field, errors, source):
+    yield from segment_rows([(f, 0, None) for f in files], fmt=fmt, field=field, errors=errors, source=source)
+
+
+def segment_rows(segments, *, fmt, field, errors, source):
+    """Rows ``{field, FLAG}`` of ``segments`` ``(path, start, stop)``: a text file is one
+    document (the segment is the whole file); a JSON Lines segment holds the lines that
+    begin in bytes [start, stop) (``stop`` None: to the end), so consecutive segments
+    of one file hold each line once; a JSON array file is read whole."""
     seen = _Columns(field)
-    for path in files:
+    for path, start, stop in segments:
         if fmt == "text":
             yield _text_row(path, errors)
         else:
-            yield from _json_rows(path, field, errors, seen)
+            yield from _json_rows(path, field, errors, seen, start=start, stop=stop)
     if fmt == "json" and seen.objects and not seen.found:
         raise ConfigError(f"seekspeed.data.text_field {field!r} is not a column of {source} "
                           f"(columns: {sorted(seen.first)})")
+
+
+def json_is_array(path):
+    """Whether the JSON file ``path`` holds one array (read whole) rather than JSON Lines."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.startswith(codecs.BOM_UTF8):
+        head = head[len(codecs.BOM_UTF8):]
+    return head.lstrip().startswith(b"[")
+
+
+def _line_number(path, offset):
+    """The 1-based line of byte ``offset`` of ``path`` (counted only for an error message)."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 24))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            offset -= len(chunk)
+    return count + 1
 
 
 class _Columns:
@@ -127,30 +157,42 @@ def _text_row(path, errors):
     return {"text": text, FLAG: flag}
 
 
-def _json_rows(path, field, errors, seen):
+def _json_rows(path, field, errors, seen, *, start=0, stop=None):
     with open(path, "rb") as f:
-        head = f.read(4096)
-        f.seek(0)
-        if head.startswith(codecs.BOM_UTF8):
-            f.seek(len(codecs.BOM_UTF8))
-            head = head[len(codecs.BOM_UTF8):]
-        if head.lstrip().startswith(b"["):
-            yield from _json_array(path, f.read(), field, errors, seen)
-            return
-        for number, raw in enumerate(f, 1):
+        if start == 0:
+            if json_is_array(path):
+                if stop is not None and stop < os.path.getsize(path):
+                    raise ValueError(f"{path} is one JSON array: it cannot be read in byte ranges")
+                yield from _json_array(path, f.read(), field, errors, seen)
+                return
+            if f.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
+                f.seek(0)
+        else:                                     # the line holding byte start - 1 is the previous segment's
+            f.seek(start - 1)
+            f.readline()
+        number = 0
+        while stop is None or f.tell() < stop:
+            here = f.tell()
+            raw = f.readline()
+            if not raw:
+                break
+            number += 1
             if not raw.strip():
                 continue
-            text, flag = _decode(raw, errors=errors, path=path, line_of=lambda offset: (number, offset + 1))  # noqa: B023
+            # a segment that starts inside the file counts its lines only for an error message
+            line = number if start == 0 else None
+            text, flag = _decode(raw, errors=errors, path=path,
+                                 line_of=lambda offset: (line or _line_number(path, here), offset + 1))  # noqa: B023
             if text is None:
                 yield {field: None, FLAG: flag}
                 continue
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise DataError(f"seekspeed.data.source {path}:{number}: not valid JSON ({exc.msg} at column "
+                raise DataError(f"seekspeed.data.source {path}:{line or _line_number(path, here)}: not valid JSON ({exc.msg} at column "
                                 f"{exc.colno}); {_JSON_FIX}") from None
             if not isinstance(obj, dict):
-                raise DataError(f"seekspeed.data.source {path}:{number}: a JSON {type(obj).__name__}, not an object "
+                raise DataError(f"seekspeed.data.source {path}:{line or _line_number(path, here)}: a JSON {type(obj).__name__}, not an object "
                                 f"with a {field!r} field; {_JSON_FIX}")
             seen.note(obj)
             yield {field: _text_of(obj, field), FLAG: flag}
