@@ -304,12 +304,14 @@ def _packed_store(data, tokenizer, control, *, rank):
         f"seekspeed.data.cache_dir {root}: rank 0 built the packed cache but this rank cannot read it; the "
         f"cache directory must be shared by all ranks"), rank=rank)
     if rank == 0:
-        from .data.textfiles import describe_undecodable
+        from .data.store import describe_store
         mix = "" if len(store.stores) == 1 else \
             f"; mixture of {len(store.stores)} sources, weights {', '.join(f'{w:g}' for w in store.weights)}"
-        undecodable = describe_undecodable(store.index["replaced_documents"], store.index["skipped_documents"])
         print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards under {store.root} "
-              f"({store.index['documents']:,} documents{mix}{'; ' + undecodable if undecodable else ''})", flush=True)
+              f"({store.index['documents']:,} documents, {store.index['tokens']:,} tokens{mix})", flush=True)
+        for i, (part, weight) in enumerate(zip(store.stores, store.weights)):
+            print(f"data: source {i + 1}/{len(store.stores)}{f' (weight {weight:g})' if len(store.stores) > 1 else ''}: "
+                  f"{describe_store(part)}", flush=True)
     return store
 
 

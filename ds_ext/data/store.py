@@ -336,6 +336,23 @@ def build(data, tokenizer, *, root, rows_per_shard, log=print):
         return finish(plan, log=log)
 
 
+def describe_store(store):
+    """Where a packed store's source comes from and what it holds, in one line."""
+    settings, index = store.index["settings"], store.index
+    fmt, source, files = settings["format"], settings["source"], settings["files"]
+    if fmt == "hub":
+        where = f"the Hugging Face hub, {source} at revision {files}"
+    elif fmt == "megatron":
+        where = f"Megatron indexed dataset {source} ({len(files) // 2} .bin/.idx pair(s), " \
+                f"{sum(f[1] for f in files) / 1e6:,.1f} MB; token ids as stored)"
+    else:
+        where = f"{fmt} {source} ({len(files)} file(s), {sum(f[1] for f in files) / 1e6:,.1f} MB)"
+    undecodable = describe_undecodable(index.get("replaced_documents", 0), index.get("skipped_documents", 0))
+    return (f"{where} -> {index['documents']:,} documents, {index['tokens']:,} tokens in {index['rows']:,} rows of "
+            f"{index['row_len']} ({len(index['shards'])} shards from {index.get('parts', 1)} part(s)) at "
+            f"{store.root}{'; ' + undecodable if undecodable else ''}")
+
+
 class ShardSet:
     """The shards of one or more packed stores under one cache ``root``, numbered
     globally (store by store); names are relative to ``root``. ``weights`` and
