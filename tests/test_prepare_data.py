@@ -235,3 +235,16 @@ def test_a_megatron_dataset_is_packed_without_tokenising_and_bad_pairs_are_named
     with pytest.raises(DataError, match=r"p1\.bin holds .* but p1\.idx describes"):
         build(data, ByteTokenizer(), root=str(tmp_path / "bad"), rows_per_shard=16, log=lambda m: None)
     assert not os.path.exists(tmp_path / "bad") or os.listdir(tmp_path / "bad") == []
+
+
+def test_an_offline_hub_source_is_read_from_the_cache_or_named(tmp_path, monkeypatch):
+    """Offline, a hub source cannot stream: the build reads the HF cache's copy by rows,
+    and a dataset absent from it is named in one line (only the offline path runs here)."""
+    import datasets
+    from ds_ext.data.parts import plan_parts
+    from ds_ext.errors import DataError
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DataError, match=r"^seekspeed.data.source hub:seekspeed-test/absent:en: cannot load it from "
+                                        r"the Hugging Face hub .*OfflineModeIsEnabled"):
+        plan_parts(DataSection(source="hub:seekspeed-test/absent:en", pipeline="tiered"))

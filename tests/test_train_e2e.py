@@ -119,6 +119,8 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     assert (part / "latest").read_text().strip() == "global_step9"
 
     if pipeline == "tiered":
+        # the start-up summary: where the source comes from and its tokens
+        assert "data: source 1/1: json " in res[0][1] and " tokens in " in res[0][1], res[0][1]
         return      # the tiered order continues at any batch layout (test_reshard.py)
     # resuming the memory pipeline with another batch layout would replay or skip data: refused
     changed = json.loads(open(cfg).read())

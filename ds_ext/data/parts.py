@@ -48,6 +48,9 @@ def plan_parts(data):
         fmt, path = "json", stdlib_corpus()
     budget = max(1, int(data.part_mb * 2**20))
     if fmt == "hub":
+        import datasets
+        if datasets.config.HF_HUB_OFFLINE:      # streaming needs the hub: the HF cache's copy, by rows
+            return "hub-cached", _row_parts(_hub_cached(path, data), path, data, budget)
         return fmt, _hub_parts(path, data)
     if fmt == "saved":
         return fmt, _saved_parts(Path(path), data, budget)
@@ -89,11 +92,21 @@ def _saved(path):
 
 
 def _saved_parts(path, data, budget):
-    ds = _saved(path)
+    return _row_parts(_saved(path), str(path), data, budget)
+
+
+def _row_parts(ds, name, data, budget):
+    """Row ranges of about ``budget`` bytes of the Arrow dataset ``ds``."""
     if data.max_documents is not None or len(ds) == 0:
-        return [[[str(path), 0, len(ds)]]]
+        return [[[name, 0, len(ds)]]]
     per = max(1, int(budget * len(ds) / max(1, ds.data.nbytes)))
-    return [[[str(path), a, min(a + per, len(ds))]] for a in range(0, len(ds), per)]
+    return [[[name, a, min(a + per, len(ds))]] for a in range(0, len(ds), per)]
+
+
+def _hub_cached(source, data):
+    import dataclasses
+    from .sources import load_documents
+    return load_documents(dataclasses.replace(data, source=source, mixture=[]))[0]
 
 
 def _megatron_parts(path, data, budget):
@@ -200,6 +213,9 @@ def stream(data, fmt, part):
     if fmt == "saved":
         (path, start, stop), = part
         return _saved(path).select(range(start, stop)).to_iterable_dataset()
+    if fmt == "hub-cached":
+        (source, start, stop), = part
+        return _hub_cached(source, data).select(range(start, stop)).to_iterable_dataset()
     if fmt == "hub":
         (source, index, count), = part
         ds = _hub_stream(source)
