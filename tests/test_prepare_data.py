@@ -239,7 +239,8 @@ def test_a_megatron_dataset_is_packed_without_tokenising_and_bad_pairs_are_named
 
 def test_an_offline_hub_source_is_read_from_the_cache_or_named(tmp_path, monkeypatch):
     """Offline, a hub source cannot stream: the build reads the HF cache's copy by rows,
-    and a dataset absent from it is named in one line (only the offline path runs here)."""
+    and a dataset absent from it is named in one line. Only that error is tested: this
+    machine can neither stream from the hub nor put a hub dataset in its cache."""
     import datasets
     from ds_ext.data.parts import plan_parts
     from ds_ext.errors import DataError
