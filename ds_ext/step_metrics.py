@@ -43,6 +43,8 @@ class StepMetrics:
             loads, balance = moe_update if self.dp_rank == 0 else (None, None)
             self.moe_stats = _moe_stats(self.control, loads, balance)
             extra.append(self.moe_stats["line"])
+        if log_step and getattr(self.batches, "hot", None) is not None:
+            extra.append(_hot_tier_line(self.batches.figures()))
         reducer = engine.grad_reducer
         if reducer is not None and reducer.last is not None:
             self.comm_steps.append(reducer.last.figures())
@@ -104,6 +106,13 @@ class StepMetrics:
     def moe_summary(self):
         """The last logged step's MoE figures; None without MoE layers."""
         return None if self.moe_stats is None else {k: v for k, v in self.moe_stats.items() if k != "line"}
+
+
+def _hot_tier_line(figures):
+    """The progress line's hot-tier figures so far (this rank's reads)."""
+    rate = figures["hit_rate"]
+    return (f"hot tier hit {'-' if rate is None else f'{100 * rate:.1f} %'}, "
+            f"{figures['bytes_fetched'] / 1e6:,.1f} MB from cold")
 
 
 def _open_report(plan, engine, control, *, window, start, rank):
