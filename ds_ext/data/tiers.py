@@ -340,15 +340,20 @@ class TieredBatches:
 
     def upcoming(self, count):
         """The next ``count`` distinct shards ``node_dp_ranks`` read, in order of first use."""
-        seen, m = [], self.position
-        limit = self.position + 2 * self.order.steps_per_epoch
+        o = self.order
+        seen, m, span = {}, self.position, 8
+        limit = self.position + 2 * o.steps_per_epoch
         while len(seen) < count and m < limit:
-            for r in self.node_dp_ranks:
-                for s in self.order.shard_of(self.order.rows(m, r)):
-                    if int(s) not in seen:
-                        seen.append(int(s))
-            m += 1
-        return seen[:count]
+            # positions m .. m + span at once (position, rank, row order: the order of use),
+            # doubling the span: the prefetcher asks every micro-batch, so this must be cheap
+            positions = np.arange(m, min(m + span, limit))
+            shards = np.stack([o.shard_of(o.at(o.offsets(positions, r))) for r in self.node_dp_ranks], axis=1)
+            flat = shards.reshape(-1)
+            _, first = np.unique(flat, return_index=True)
+            for s in flat[np.sort(first)].tolist():
+                seen.setdefault(s, None)
+            m, span = m + len(positions), 2 * span
+        return list(seen)[:count]
 
     def _prefetch(self):
         planned = None
@@ -403,7 +408,6 @@ class TieredBatches:
         offsets = rows - self.order.starts[shards]
         if self.hot is not None:
             self.hot.pinned = set(int(s) for s in np.unique(shards))
-            self._wake.set()
         out = np.empty((len(rows), self.store.row_len), dtype=self.store.dtype)
         for s in np.unique(shards):
             mask = shards == s
@@ -416,6 +420,8 @@ class TieredBatches:
         self.position += 1
         self.stats.batches += 1
         self.stats.wait_s += time.perf_counter() - start
+        if self.hot is not None:
+            self._wake.set()      # plan the next fetches now, while the step computes, not during the read
         return torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
 
 
