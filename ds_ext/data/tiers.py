@@ -312,6 +312,11 @@ class TieredBatches:
     def _uses(self, block):
         """shard -> sorted positions (micro-batches) of ``block`` (positions [block S,
         (block + 1) S), S = steps_per_epoch) at which one of ``node_dp_ranks`` reads it."""
+        return self._block(block)[1]
+
+    def _block(self, block):
+        """(the shards ``node_dp_ranks`` read at each position of ``block``: (S, ranks x
+        micro_batch), in order of use; their uses, as ``_uses``)."""
         with self._uses_lock:
             if block in self._uses_cache:
                 return self._uses_cache[block]
@@ -324,8 +329,8 @@ class TieredBatches:
             for shard, first, last in _runs(pairs[:, 0]):
                 uses[int(shard)] = pairs[first:last, 1]
             self._uses_cache = {b: u for b, u in self._uses_cache.items() if b >= block - 1}
-            self._uses_cache[block] = uses
-            return uses
+            self._uses_cache[block] = shards, uses
+            return shards, uses
 
     def next_use(self, shard, position=None):
         position = max(0, self.position - self.pin_window) if position is None else position
@@ -340,19 +345,22 @@ class TieredBatches:
 
     def upcoming(self, count):
         """The next ``count`` distinct shards ``node_dp_ranks`` read, in order of first use."""
-        o = self.order
+        per_block = self.order.steps_per_epoch
         seen, m, span = {}, self.position, 8
-        limit = self.position + 2 * o.steps_per_epoch
+        limit = self.position + 2 * per_block
         while len(seen) < count and m < limit:
-            # positions m .. m + span at once (position, rank, row order: the order of use),
-            # doubling the span: the prefetcher asks every micro-batch, so this must be cheap
-            positions = np.arange(m, min(m + span, limit))
-            shards = np.stack([o.shard_of(o.at(o.offsets(positions, r))) for r in self.node_dp_ranks], axis=1)
-            flat = shards.reshape(-1)
+            # positions m .. m + span at once from the tabulated blocks, doubling the span:
+            # the prefetcher asks after every micro-batch, so this must be cheap (it holds the GIL)
+            stop = min(m + span, limit)
+            parts = []
+            for block in range(m // per_block, (stop - 1) // per_block + 1):
+                lo, hi = max(m, block * per_block), min(stop, (block + 1) * per_block)
+                parts.append(self._block(block)[0][lo - block * per_block:hi - block * per_block])
+            flat = np.concatenate(parts).reshape(-1)
             _, first = np.unique(flat, return_index=True)
             for s in flat[np.sort(first)].tolist():
                 seen.setdefault(s, None)
-            m, span = m + len(positions), 2 * span
+            m, span = stop, 2 * span
         return list(seen)[:count]
 
     def _prefetch(self):
