@@ -149,7 +149,7 @@ def _train(args, plan, control):
     model, topo, init_tensors = _build_model(plan, control, rank=rank)
     stage, dp_rank = model._grid.get_stage_id(), model._grid.get_data_parallel_id()
     store, batches = _open_data(plan, control, rank=rank, stage=stage, dp_rank=dp_rank,
-                                node_dp_ranks=_node_dp_ranks(plan, model, topo, rank=rank))
+                                node_dp_ranks=_node_dp_ranks(plan, topo, rank=rank))
     engine = _build_engine(plan, model, topo, rank=rank)
     checkpoints = Checkpointer(plan, engine, control, rank=rank)
     if plan.resume:
@@ -240,12 +240,13 @@ def _build_engine(plan, model, topo, *, rank):
     return engine
 
 
-def _node_dp_ranks(plan, model, topo, *, rank):
+def _node_dp_ranks(plan, topo, *, rank):
     """The data-parallel ranks read on this rank's node (the topology plan's nodes):
     the readers that share a node hot tier (data.hot_scope "node")."""
-    grid_topo = model._grid._topo
-    return sorted({grid_topo.get_coord(r).data for r, node in enumerate(topo.node_of)
-                   if node == topo.node_of[rank] and grid_topo.get_coord(r).pipe in plan.data_stages})
+    from .topology.placement import deepspeed_topology
+    grid = deepspeed_topology(topo.placement, pp=plan.layout.pipe_stages, dp=plan.layout.data_parallel)
+    return sorted({grid.get_coord(r).data for r, node in enumerate(topo.node_of)
+                   if node == topo.node_of[rank] and grid.get_coord(r).pipe in plan.data_stages})
 
 
 def _open_data(plan, control, *, rank, stage, dp_rank, node_dp_ranks=()):

@@ -9,8 +9,9 @@ three readers evict each other's shards); a reader SIGKILLed in the middle of a
 fetch leaves no file under the shard's name, and the next reader cleans its leftovers
 and reads the right rows. ``hot_scope: rank`` builds today's per-rank tier through
 the trainer; the node directory is keyed by the store; a resident file of the wrong
-size is replaced. Every wait is an event (a file appearing, a process ending) under a
-pytest timeout, never a timed assert. About 15 s on two loaded cores."""
+size is replaced; the node's readers come from the topology plan. Every wait is an
+event (a file appearing, a process ending) under a pytest timeout, never a timed
+assert. About 15 s on two loaded cores."""
 
 import fcntl
 import json
@@ -239,3 +240,18 @@ def test_node_directories_are_per_store_and_a_wrong_size_file_is_replaced(tmp_pa
         f.write(b"not a shard")
     np.testing.assert_array_equal(next(it)[0].numpy(), _direct(a, 0, 1, 1)[0])
     assert it.figures()["misses"] >= 1 and it.figures()["bytes_fetched"] >= a.shard_bytes(first)
+
+
+@pytest.mark.timeout(60)
+def test_the_node_readers_come_from_the_topology_plan():
+    """2 stages x 2 replicas on 2 nodes of 2 ranks: with pipe-data numbering a node holds
+    both replicas of one stage, with data-pipe both stages of one replica."""
+    from ds_ext.trainer import _node_dp_ranks
+    plan = types.SimpleNamespace(layout=types.SimpleNamespace(pipe_stages=2, data_parallel=2),
+                                 data_stages=frozenset({0, 1}))
+    for placement, want in (("pipe-data", [[0, 1], [0, 1]]), ("data-pipe", [[0], [1]])):
+        topo = types.SimpleNamespace(placement=placement, node_of=[0, 0, 1, 1])
+        assert [_node_dp_ranks(plan, topo, rank=r) for r in (0, 2)] == want
+    plan.data_stages = frozenset({0})                   # only stage 0 reads: node 1 of pipe-data reads nothing
+    topo = types.SimpleNamespace(placement="pipe-data", node_of=[0, 0, 1, 1])
+    assert _node_dp_ranks(plan, topo, rank=2) == []
