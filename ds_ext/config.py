@@ -108,6 +108,7 @@ class DataSection:
     cache_dir: str | None = None      # the cold tier: where packed shards are built/read (default: the cache)
     hot_dir: str | None = None        # local fast directory for the hot tier (null: read the cold tier directly)
     hot_budget_mb: float = 1024.0
+    hot_scope: str = "node"           # "node": one hot tier and budget per node; "rank": one per data rank
     policy: str = "next-use"          # hot-tier eviction: "next-use" (farthest next use) or "lru"
     prefetch: bool = True             # fetch the shards the known order needs next, in the background
     rows_per_shard: int = 2048
@@ -118,6 +119,7 @@ class DataSection:
 
     def check(self, where):
         _check_choices(where, self, format=DATA_FORMATS, pipeline=("memory", "tiered"), policy=("next-use", "lru"),
+                       hot_scope=("node", "rank"),
                        attention=("causal", "document"), encoding_errors=ENCODING_ERRORS)
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:

@@ -148,7 +148,8 @@ def _train(args, plan, control):
     torch.manual_seed(s.train.seed)
     model, topo, init_tensors = _build_model(plan, control, rank=rank)
     stage, dp_rank = model._grid.get_stage_id(), model._grid.get_data_parallel_id()
-    store, batches = _open_data(plan, control, rank=rank, stage=stage, dp_rank=dp_rank)
+    store, batches = _open_data(plan, control, rank=rank, stage=stage, dp_rank=dp_rank,
+                                node_dp_ranks=_node_dp_ranks(plan, topo, rank=rank))
     engine = _build_engine(plan, model, topo, rank=rank)
     checkpoints = Checkpointer(plan, engine, control, rank=rank)
     if plan.resume:
@@ -239,7 +240,16 @@ def _build_engine(plan, model, topo, *, rank):
     return engine
 
 
-def _open_data(plan, control, *, rank, stage, dp_rank):
+def _node_dp_ranks(plan, topo, *, rank):
+    """The data-parallel ranks read on this rank's node (the topology plan's nodes):
+    the readers that share a node hot tier (data.hot_scope "node")."""
+    from .topology.placement import deepspeed_topology
+    grid = deepspeed_topology(topo.placement, pp=plan.layout.pipe_stages, dp=plan.layout.data_parallel)
+    return sorted({grid.get_coord(r).data for r, node in enumerate(topo.node_of)
+                   if node == topo.node_of[rank] and grid.get_coord(r).pipe in plan.data_stages})
+
+
+def _open_data(plan, control, *, rank, stage, dp_rank, node_dp_ranks=()):
     """(the tiered pipeline's packed store or None, this rank's batches or None on stages
     that read no data)."""
     from .data import PackedBatches
@@ -250,7 +260,7 @@ def _open_data(plan, control, *, rank, stage, dp_rank):
     batches, error = None, None
     if store is not None and stage in plan.data_stages:
         try:
-            batches = _tiered_batches(s, layout, store, dp_rank=dp_rank, stage=stage)
+            batches = _tiered_batches(s, layout, store, dp_rank=dp_rank, stage=stage, node_dp_ranks=node_dp_ranks)
         except SeekspeedError as exc:
             error = exc
     elif stage in plan.data_stages:
@@ -315,7 +325,10 @@ def _packed_store(data, tokenizer, control, *, rank):
     return store
 
 
-def _tiered_batches(s, layout, store, *, dp_rank, stage):
+def _tiered_batches(s, layout, store, *, dp_rank, stage, node_dp_ranks=()):
+    """This reader's TieredBatches; with data.hot_scope "node" its hot tier is shared
+    with the readers of ``node_dp_ranks`` (one directory and one budget per node)."""
+    from .data.node_tier import NodeHotTier, node_directory
     from .data.order import SampleOrder
     from .data.tiers import ColdTier, HotTier, TierStats, TieredBatches
     d = s.data
@@ -323,12 +336,16 @@ def _tiered_batches(s, layout, store, *, dp_rank, stage):
                         dp_size=layout.data_parallel, micro_batch=layout.micro_batch,
                         sources=store.source_of_shard, weights=store.weights)
     cold = ColdTier(store.root)
-    hot = None
-    if d.hot_dir:
-        hot = HotTier(store, cold, os.path.join(d.hot_dir, f"dp{dp_rank}-stage{stage}"),
-                      budget_bytes=int(d.hot_budget_mb * 1e6), policy=d.policy, stats=TierStats(),
-                      min_shards=d.shuffle_window * len(store.stores))
-    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch)
+    hot, node = None, {}
+    tier = dict(budget_bytes=int(d.hot_budget_mb * 1e6), policy=d.policy, stats=TierStats(),
+                min_shards=d.shuffle_window * len(store.stores))
+    if d.hot_dir and d.hot_scope == "rank":
+        hot = HotTier(store, cold, os.path.join(d.hot_dir, f"dp{dp_rank}-stage{stage}"), **tier)
+    elif d.hot_dir:
+        hot = NodeHotTier(store, cold, node_directory(d.hot_dir, store), **tier)
+        # the node's readers are within about one optimizer step of each other
+        node = {"node_dp_ranks": node_dp_ranks, "pin_window": layout.grad_accum}
+    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch, **node)
 
 
 def _load_rows(s, layout, tokenizer, model_config, *, shard, stats=None):

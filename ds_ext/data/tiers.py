@@ -6,7 +6,9 @@ background prefetcher walks this rank's known future order and copies the shards
 it will need next from cold to hot; when the budget is full it evicts, with policy
 ``next-use``, the resident shard whose next use is farthest away (Belady's rule,
 possible because the order is known), or, with ``lru``, the least recently used one.
-Without a hot tier every row is read from the cold tier when it is needed.
+Without a hot tier every row is read from the cold tier when it is needed. With
+``data.hot_scope: node`` the readers of a node share one directory and one budget
+(ds_ext/data/node_tier.py); HotTier here is one reader's own (``hot_scope: rank``).
 
 None of this changes which rows a micro-batch holds: that is SampleOrder's alone.
 """
@@ -139,7 +141,10 @@ class TierStats:
 
 
 class HotTier:
-    """Shards copied from ``cold`` into ``directory`` under a byte ``budget``."""
+    """Shards copied from ``cold`` into ``directory`` under a byte ``budget``, one
+    reader's own (``hot_scope: rank``)."""
+
+    scope = "rank"
 
     def __init__(self, store, cold, directory, *, budget_bytes, policy, stats, min_shards=1):
         if policy not in ("next-use", "lru"):
@@ -256,15 +261,22 @@ class TieredBatches:
     """Endless micro-batches ``(input_ids, labels)`` of one data-parallel rank in
     SampleOrder's order, read through the tiers. ``position`` counts micro-batches
     served since the order's ``start_row`` (``seek`` sets both on resume). The order is
-    known, so the next use of every shard is too: this rank's uses are tabulated per
-    block of about an epoch's micro-steps (this block and the next), which the
-    next-use policy and the prefetcher read."""
+    known, so the next use of every shard is too: the uses of ``node_dp_ranks`` (the
+    data-parallel ranks whose readers share ``hot``; this rank alone by default) are
+    tabulated per block of about an epoch's micro-steps (this block and the next),
+    which the next-use policy and the prefetcher read. With a node tier the next use is
+    looked up from ``pin_window`` micro-batches behind this reader's position, and the
+    node's uses until ``pin_window`` ahead are protected from eviction: the node's
+    readers are within about one optimizer step of each other."""
 
-    def __init__(self, store, order, *, dp_rank, cold, hot=None, prefetch=True, prefetch_shards=None):
+    def __init__(self, store, order, *, dp_rank, cold, hot=None, prefetch=True, prefetch_shards=None,
+                 node_dp_ranks=None, pin_window=0):
         if order.steps_per_epoch == 0:
             raise DataError(f"{order.num_rows} packed sequences cannot fill one step of {order.dp_size} replicas x "
                             f"micro-batch {order.micro_batch}: add data or lower the batch")
         self.store, self.order, self.dp_rank = store, order, dp_rank
+        self.node_dp_ranks = tuple(sorted(set(node_dp_ranks or ()) | {dp_rank}))
+        self.pin_window = pin_window
         self.cold, self.hot = cold, hot
         self.stats = hot.stats if hot is not None else TierStats()
         self.position = 0
@@ -282,6 +294,7 @@ class TieredBatches:
             # look as far ahead as the budget holds: a fetch never evicts a shard needed sooner
             self.prefetch_shards = min(prefetch_shards or max(1, hot.budget // per_shard), len(store.shards))
             hot.next_use = self.next_use
+            hot.pin_until = lambda: self.position + self.pin_window
             if prefetch:
                 self._thread = threading.Thread(target=self._prefetch, name="seekspeed-prefetch", daemon=True)
                 self._thread.start()
@@ -298,23 +311,29 @@ class TieredBatches:
 
     def _uses(self, block):
         """shard -> sorted positions (micro-batches) of ``block`` (positions [block S,
-        (block + 1) S), S = steps_per_epoch) at which this rank reads it."""
+        (block + 1) S), S = steps_per_epoch) at which one of ``node_dp_ranks`` reads it."""
+        return self._block(block)[1]
+
+    def _block(self, block):
+        """(the shards ``node_dp_ranks`` read at each position of ``block``: (S, ranks x
+        micro_batch), in order of use; their uses, as ``_uses``)."""
         with self._uses_lock:
             if block in self._uses_cache:
                 return self._uses_cache[block]
             o = self.order
             steps = np.arange(block * o.steps_per_epoch, (block + 1) * o.steps_per_epoch)
-            shards = o.shard_of(o.at(o.offsets(steps, self.dp_rank)))       # (steps, micro_batch)
-            pairs = np.unique(np.stack([shards.reshape(-1), np.repeat(steps, o.micro_batch)], axis=1), axis=0)
+            shards = np.concatenate([o.shard_of(o.at(o.offsets(steps, r))) for r in self.node_dp_ranks],
+                                    axis=1)                                  # (steps, ranks x micro_batch)
+            pairs = np.unique(np.stack([shards.reshape(-1), np.repeat(steps, shards.shape[1])], axis=1), axis=0)
             uses = {}
             for shard, first, last in _runs(pairs[:, 0]):
                 uses[int(shard)] = pairs[first:last, 1]
             self._uses_cache = {b: u for b, u in self._uses_cache.items() if b >= block - 1}
-            self._uses_cache[block] = uses
-            return uses
+            self._uses_cache[block] = shards, uses
+            return shards, uses
 
     def next_use(self, shard, position=None):
-        position = self.position if position is None else position
+        position = max(0, self.position - self.pin_window) if position is None else position
         block = position // self.order.steps_per_epoch
         for e in (block, block + 1):
             arr = self._uses(e).get(shard)
@@ -325,15 +344,24 @@ class TieredBatches:
         return float("inf")
 
     def upcoming(self, count):
-        """The next ``count`` distinct shards this rank reads, in order of first use."""
-        seen, m = [], self.position
-        limit = self.position + 2 * self.order.steps_per_epoch
+        """The next ``count`` distinct shards ``node_dp_ranks`` read, in order of first use."""
+        per_block = self.order.steps_per_epoch
+        seen, m, span = {}, self.position, 8
+        limit = self.position + 2 * per_block
         while len(seen) < count and m < limit:
-            for s in self.order.shard_of(self.order.rows(m, self.dp_rank)):
-                if int(s) not in seen:
-                    seen.append(int(s))
-            m += 1
-        return seen[:count]
+            # positions m .. m + span at once from the tabulated blocks, doubling the span:
+            # the prefetcher asks after every micro-batch, so this must be cheap (it holds the GIL)
+            stop = min(m + span, limit)
+            parts = []
+            for block in range(m // per_block, (stop - 1) // per_block + 1):
+                lo, hi = max(m, block * per_block), min(stop, (block + 1) * per_block)
+                parts.append(self._block(block)[0][lo - block * per_block:hi - block * per_block])
+            flat = np.concatenate(parts).reshape(-1)
+            _, first = np.unique(flat, return_index=True)
+            for s in flat[np.sort(first)].tolist():
+                seen.setdefault(s, None)
+            m, span = stop, 2 * span
+        return list(seen)[:count]
 
     def _prefetch(self):
         planned = None
@@ -356,9 +384,15 @@ class TieredBatches:
             self._wake.clear()
 
     def figures(self):
+        """This reader's hits, misses, bytes it fetched from cold and time waited; the
+        tier's ``scope`` and ``budget_bytes``; with a node tier, the node's (``node_*``)."""
         out = self.stats.figures()
         if self.hot is None:
             out["bytes_fetched"] = self.cold.bytes_read
+            return out | {"scope": None, "budget_bytes": None}
+        out |= {"scope": self.hot.scope, "budget_bytes": self.hot.budget}
+        if self.hot.scope == "node":
+            out |= self.hot.node_figures() | {"node_dp_ranks": list(self.node_dp_ranks)}
         return out
 
     def close(self):
@@ -382,7 +416,6 @@ class TieredBatches:
         offsets = rows - self.order.starts[shards]
         if self.hot is not None:
             self.hot.pinned = set(int(s) for s in np.unique(shards))
-            self._wake.set()
         out = np.empty((len(rows), self.store.row_len), dtype=self.store.dtype)
         for s in np.unique(shards):
             mask = shards == s
@@ -395,6 +428,8 @@ class TieredBatches:
         self.position += 1
         self.stats.batches += 1
         self.stats.wait_s += time.perf_counter() - start
+        if self.hot is not None:
+            self._wake.set()      # plan the next fetches now, while the step computes, not during the read
         return torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
 
 
