@@ -109,10 +109,13 @@ class StepMetrics:
 
 
 def _hot_tier_line(figures):
-    """The progress line's hot-tier figures so far (this rank's reads)."""
-    rate = figures["hit_rate"]
-    return (f"hot tier hit {'-' if rate is None else f'{100 * rate:.1f} %'}, "
-            f"{figures['bytes_fetched'] / 1e6:,.1f} MB from cold")
+    """The progress line's hot-tier figures so far: the node's with a node tier, else
+    this rank's."""
+    node = figures.get("scope") == "node"
+    rate = figures["node_hit_rate" if node else "hit_rate"]
+    fetched = figures["node_bytes_fetched" if node else "bytes_fetched"]
+    return (f"hot tier{' (node)' if node else ''} hit {'-' if rate is None else f'{100 * rate:.1f} %'}, "
+            f"{fetched / 1e6:,.1f} MB from cold")
 
 
 def _open_report(plan, engine, control, *, window, start, rank):

@@ -261,6 +261,12 @@ def _open_data(plan, control, *, rank, stage, dp_rank, node_dp_ranks=()):
     if store is not None and stage in plan.data_stages:
         try:
             batches = _tiered_batches(s, layout, store, dp_rank=dp_rank, stage=stage, node_dp_ranks=node_dp_ranks)
+            if rank == 0 and batches.hot is not None:
+                f = batches.figures()
+                shared = (f"shared by data-parallel ranks {f['node_dp_ranks']} of this node"
+                          if f["scope"] == "node" else "this data rank's own")
+                print(f"data: hot tier {batches.hot.dir}: budget {f['budget_bytes'] / 1e6:,.1f} MB, {shared}; "
+                      f"hit rate and bytes from cold in the progress line", flush=True)
         except SeekspeedError as exc:
             error = exc
     elif stage in plan.data_stages:

@@ -121,7 +121,8 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     if pipeline == "tiered":
         # the start-up summary: where the source comes from and its tokens
         assert "data: source 1/1: json " in res[0][1] and " tokens in " in res[0][1], res[0][1]
-        assert "hot tier hit " in res[0][1], res[0][1]              # the progress line, so far
+        assert "data: hot tier " in res[0][1] and "budget 8.0 MB, shared by" in res[0][1], res[0][1]
+        assert "hot tier (node) hit " in res[0][1], res[0][1]       # the progress line, so far
         return      # the tiered order continues at any batch layout (test_reshard.py)
     # resuming the memory pipeline with another batch layout would replay or skip data: refused
     changed = json.loads(open(cfg).read())
