@@ -425,12 +425,15 @@ class TieredBatches:
                 raw = self.cold.read_rows(self.store.shard_name(int(s)), offsets[mask], row_bytes=self.row_bytes,
                                           header=self._header_of(int(s)))
                 out[mask] = np.frombuffer(b"".join(raw), dtype=self.store.dtype).reshape(-1, self.store.row_len)
+        batch = torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
         self.position += 1
         self.stats.batches += 1
         self.stats.wait_s += time.perf_counter() - start
         if self.hot is not None:
-            self._wake.set()      # plan the next fetches now, while the step computes, not during the read
-        return torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
+            # plan the next fetches now, while the step computes: a prefetcher woken earlier
+            # takes the GIL from the read (numpy's casts release it)
+            self._wake.set()
+        return batch
 
 
 def _runs(sorted_values):
