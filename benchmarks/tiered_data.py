@@ -85,6 +85,22 @@ def make_corpus(path, mb):
             written += len(text)
 
 
+def timed_reads(it, args):
+    """Read --batches micro-batches from ``it``, "training" --step-ms after each; (seconds
+    waited for data, wall seconds), both after --warmup micro-batches; closes ``it``."""
+    waits, t0 = 0.0, None
+    for i in range(args.batches):
+        if i == args.warmup:
+            t0, waits = time.perf_counter(), 0.0
+        t = time.perf_counter()
+        next(it)
+        waits += time.perf_counter() - t
+        time.sleep(args.step_ms / 1000)
+    wall = time.perf_counter() - t0
+    it.close()
+    return waits, wall
+
+
 def run_mode(mode, store, args, tmp):
     from ds_ext.data.order import SampleOrder
     from ds_ext.data.tiers import ColdTier, HotTier, TierStats, TieredBatches
@@ -102,16 +118,7 @@ def run_mode(mode, store, args, tmp):
 
     def reader(r):
         it = readers[r]
-        waits, t0 = 0.0, None
-        for i in range(args.batches):
-            if i == args.warmup:
-                t0, waits = time.perf_counter(), 0.0
-            t = time.perf_counter()
-            next(it)
-            waits += time.perf_counter() - t
-            time.sleep(args.step_ms / 1000)
-        wall = time.perf_counter() - t0
-        it.close()
+        waits, wall = timed_reads(it, args)
         results[r] = {"wait_s": waits, "wall_s": wall, "wait_fraction": waits / wall, **it.figures()}
 
     threads = [threading.Thread(target=reader, args=(r, )) for r in range(args.ranks)]
@@ -173,16 +180,7 @@ def scope_reader(scope, r, readers, store, args, tmp, link, barrier, queue):
         it = TieredBatches(store, order, dp_rank=r, cold=cold, hot=hot, prefetch=True,
                            node_dp_ranks=range(readers), pin_window=args.pin_window)
     barrier.wait()
-    waits, t0 = 0.0, None
-    for i in range(args.batches):
-        if i == args.warmup:
-            t0, waits = time.perf_counter(), 0.0
-        t = time.perf_counter()
-        next(it)
-        waits += time.perf_counter() - t
-        time.sleep(args.step_ms / 1000)
-    wall = time.perf_counter() - t0
-    it.close()
+    waits, wall = timed_reads(it, args)
     queue.put((r, it.figures() | {"wait_s": waits, "wall_s": wall, "wait_fraction": waits / wall,   # after warm-up
                                   "cold_bytes": cold.bytes_read}))
 

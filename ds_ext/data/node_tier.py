@@ -70,6 +70,7 @@ def _flock(path, mode, *, blocking=True):
 
 
 def check_budget(store, budget_bytes, min_shards):
+    """Refuse a hot-tier budget (a node's or a rank's) too small for one micro-batch."""
     biggest = max(store.shard_bytes(s) for s in range(len(store.shards)))
     # a micro-batch that straddles two shuffle windows touches up to 2 x min_shards shards
     if budget_bytes < (2 * min_shards + 1) * biggest:

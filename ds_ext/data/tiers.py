@@ -25,6 +25,8 @@ import torch
 from ds_ext.errors import DataError
 from ds_ext.fileio import atomic_open
 
+from .node_tier import check_budget
+
 
 class ColdTier:
     """Reads shards from ``root`` (a local path or an fsspec URL), retrying with
@@ -149,13 +151,7 @@ class HotTier:
     def __init__(self, store, cold, directory, *, budget_bytes, policy, stats, min_shards=1):
         if policy not in ("next-use", "lru"):
             raise ValueError(f"unknown eviction policy {policy!r}")
-        biggest = max(store.shard_bytes(s) for s in range(len(store.shards)))
-        # a micro-batch that straddles two shuffle windows touches up to 2 x min_shards shards
-        if budget_bytes < (2 * min_shards + 1) * biggest:
-            raise DataError(f"seekspeed.data.hot_budget_mb {budget_bytes / 1e6:.1f} MB holds fewer than "
-                            f"{2 * min_shards + 1} shards of {biggest / 1e6:.1f} MB (a micro-batch can touch "
-                            f"{2 * min_shards}: twice data.shuffle_window per source): raise it, or lower "
-                            f"data.rows_per_shard")
+        check_budget(store, budget_bytes, min_shards)
         self.store, self.cold, self.dir = store, cold, directory
         self.budget, self.policy, self.stats = budget_bytes, policy, stats
         shutil.rmtree(directory, ignore_errors=True)    # a hot tier is a cache: start empty
