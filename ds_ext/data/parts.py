@@ -17,28 +17,13 @@ memory.
 """
 
 import math
-import os
 from pathlib import Path
 
 from ds_ext.errors import DataError
 
-from .sources import _EXTENSIONS, hub_name, resolve_source, stdlib_corpus
+from .sources import data_files, hub_name, resolve_source, stdlib_corpus
 
 BATCH = 1000
-
-
-def _files(path):
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _EXTENSIONS)
-        if not files:
-            raise DataError(f"seekspeed.data.source {path}: no data files in this directory")
-    else:
-        files = [path]
-    files = [f for f in files if f.stat().st_size > 0]
-    if not files:
-        raise DataError(f"seekspeed.data.source {path}: every data file is empty: add data or point "
-                        f"seekspeed.data.source elsewhere")
-    return files
 
 
 def plan_parts(data):
@@ -56,7 +41,7 @@ def plan_parts(data):
         return fmt, _saved_parts(Path(path), data, budget)
     if fmt == "megatron":
         return fmt, _megatron_parts(Path(path), data, budget)
-    files = _files(Path(path))
+    files = data_files(Path(path))
     if data.max_documents is not None:
         return fmt, [[[str(f), 0, f.stat().st_size] for f in files]]
     from .textfiles import json_is_array
@@ -137,15 +122,6 @@ def _hub_stream(source):
 def _hub_parts(source, data):
     count = 1 if data.max_documents is not None else _hub_stream(source).num_shards
     return [[[source, i, count]] for i in range(count)]
-
-
-def part_bytes(part):
-    """About how many bytes of the source a part reads (progress output)."""
-    total = 0
-    for path, start, stop in part:
-        if os.path.isfile(path):
-            total += stop - start
-    return total
 
 
 def documents(data, fmt, part, tokenizer, counts):

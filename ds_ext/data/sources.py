@@ -73,6 +73,22 @@ def _format_of(path, fmt):
     return _EXTENSIONS[path.suffix]
 
 
+def data_files(path):
+    """The non-empty data files of a file or directory source, in name order (empty
+    files are left out: datasets' readers fail on them)."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _EXTENSIONS)
+        if not files:
+            raise DataError(f"seekspeed.data.source {path}: no data files in this directory")
+    else:
+        files = [path]
+    files = [f for f in files if f.stat().st_size > 0]
+    if not files:
+        raise DataError(f"seekspeed.data.source {path}: every data file is empty: add data or point "
+                        f"seekspeed.data.source elsewhere")
+    return files
+
+
 HUB_PREFIX = "hub:"
 
 
@@ -151,13 +167,7 @@ def load_documents(data):
                 raise DataError(f"{path}: saved DatasetDict has no 'train' split (has {list(ds)})")
             ds = ds["train"]
     else:
-        files = sorted(str(p) for p in path.iterdir() if p.suffix in _EXTENSIONS) if path.is_dir() else [str(path)]
-        if not files:
-            raise DataError(f"seekspeed.data.source {path}: no data files in this directory")
-        files = [f for f in files if os.path.getsize(f) > 0]     # datasets' readers fail on empty files
-        if not files:
-            raise DataError(f"seekspeed.data.source {path}: every data file is empty: add data or point "
-                            f"seekspeed.data.source elsewhere")
+        files = [str(f) for f in data_files(path)]
         if fmt == "text":
             text_field = "text"
         if fmt in ("text", "json"):          # read here: encoding_errors, and file:line for a bad line
