@@ -111,6 +111,7 @@ class DataSection:
     hot_scope: str = "node"           # "node": one hot tier and budget per node; "rank": one per data rank
     policy: str = "next-use"          # hot-tier eviction: "next-use" (farthest next use) or "lru"
     prefetch: bool = True             # fetch the shards the known order needs next, in the background
+    prefetch_batches: int = 2         # with prefetch: micro-batches assembled ahead of the step (0: none)
     rows_per_shard: int = 2048
     shuffle_window: int = 4           # shards whose rows are shuffled together
     part_mb: float = 256.0            # the build's unit of work: about this much source data per part
@@ -124,6 +125,9 @@ class DataSection:
         for name in ("rows_per_shard", "shuffle_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch_batches < 0:
+            raise ConfigError(f"{where}.prefetch_batches must be >= 0 (0: no micro-batch read-ahead), got "
+                              f"{self.prefetch_batches}")
         if self.hot_budget_mb <= 0:
             raise ConfigError(f"{where}.hot_budget_mb must be positive, got {self.hot_budget_mb}")
         if self.part_mb <= 0:

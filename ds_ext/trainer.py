@@ -351,7 +351,8 @@ def _tiered_batches(s, layout, store, *, dp_rank, stage, node_dp_ranks=()):
         hot = NodeHotTier(store, cold, node_directory(d.hot_dir, store), **tier)
         # the node's readers are within about one optimizer step of each other
         node = {"node_dp_ranks": node_dp_ranks, "pin_window": layout.grad_accum}
-    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch, **node)
+    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch,
+                         prefetch_batches=d.prefetch_batches, **node)
 
 
 def _load_rows(s, layout, tokenizer, model_config, *, shard, stats=None):

@@ -418,3 +418,54 @@ def test_prepare_data_reports_the_undecodable_documents(tmp_path, capsys):
     # one error line, last, and no traceback (datatrove's own progress lines may come before it)
     assert [l for l in err if l.startswith("error:")] == err[-1:] and "Traceback" not in "\n".join(err)
     assert err[-1].startswith("error: seekspeed.data.source ") and "mixed.jsonl:11:" in err[-1]
+
+
+def test_read_ahead_takes_the_read_off_the_step_and_never_changes_the_batches(tmp_path):
+    """With prefetch, the next ``prefetch_batches`` micro-batches are assembled while the
+    consumer computes: a pull after a step's worth of time finds its batch ready (here
+    direct reads of a cold tier that takes 100 ms a request, 3 or more per batch), and
+    the batches, a set ``position`` and a ``seek`` are exactly those without read-ahead."""
+    import time
+    store = _store(tmp_path)
+    order = lambda: SampleOrder([s["rows"] for s in store.shards], seed=7, window=2, dp_size=2, micro_batch=3)
+    plain = TieredBatches(store, order(), dp_rank=1, cold=ColdTier(store.root), prefetch=False)
+    ahead = TieredBatches(store, order(), dp_rank=1, cold=ColdTier(store.root, latency_ms=100), prefetch=True,
+                          prefetch_batches=2)
+    assert plain._assembler is None and ahead._assembler is not None
+    want = [next(plain) for _ in range(6)]
+    plain.position = 2
+    want_at_2 = next(plain)
+    plain.seek(9)
+    want_after_seek = [next(plain) for _ in range(2)]
+    got, pulls = [], []
+    for _ in range(6):
+        t = time.perf_counter()
+        got.append(next(ahead))
+        pulls.append(time.perf_counter() - t)
+        time.sleep(1.0)                                       # the "step": two batches' reads fit in it
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    assert pulls[0] >= 0.1 and max(pulls[1:]) < 0.05, pulls  # only the first pull reads
+    ahead.position = 2
+    assert torch.equal(next(ahead)[0], want_at_2[0])
+    ahead.seek(9)
+    assert all(torch.equal(next(ahead)[0], w[0]) for w in want_after_seek)
+    ahead.close()
+    plain.close()
+
+
+def test_a_read_ahead_failure_reaches_the_consumer(tmp_path):
+    store = _store(tmp_path)
+    order = SampleOrder([s["rows"] for s in store.shards], seed=7, window=2, dp_size=1, micro_batch=3)
+    it = TieredBatches(store, order, dp_rank=0, cold=ColdTier(store.root, retries=0), prefetch=True)
+    next(it)
+    shutil.rmtree(store.root)                                 # the cold tier is gone while reading ahead
+    with pytest.raises(DataError, match="cold"):
+        for _ in range(order.steps_per_epoch):
+            next(it)
+    it.close()
+
+
+def test_prefetch_batches_must_not_be_negative():
+    from ds_ext.errors import ConfigError
+    with pytest.raises(ConfigError, match="prefetch_batches must be >= 0"):
+        _data("x.jsonl", prefetch_batches=-1).check("seekspeed.data")

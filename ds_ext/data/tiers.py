@@ -266,7 +266,7 @@ class TieredBatches:
     readers are within about one optimizer step of each other."""
 
     def __init__(self, store, order, *, dp_rank, cold, hot=None, prefetch=True, prefetch_shards=None,
-                 node_dp_ranks=None, pin_window=0):
+                 node_dp_ranks=None, pin_window=0, prefetch_batches=2):
         if order.steps_per_epoch == 0:
             raise DataError(f"{order.num_rows} packed sequences cannot fill one step of {order.dp_size} replicas x "
                             f"micro-batch {order.micro_batch}: add data or lower the batch")
@@ -275,16 +275,25 @@ class TieredBatches:
         self.pin_window = pin_window
         self.cold, self.hot = cold, hot
         self.stats = hot.stats if hot is not None else TierStats()
-        self.position = 0
         self.row_bytes = store.row_len * store.dtype.itemsize
         self._header = {}
         self._uses_cache = {}
         self._uses_lock = threading.Lock()
-        self._generation = 0           # bumped by seek: the prefetcher plans again
+        self._position = 0
+        self._generation = 0           # bumped by seek and by setting position: plans and read-ahead start again
         self._wake = threading.Event()
         self._stop = False
         self._error = None
         self._thread = None
+        # micro-batches assembled ahead of the consumer (DataLoader's prefetch_factor):
+        # (generation, position) -> batch, and the ones being assembled now
+        self.prefetch_batches = prefetch_batches if prefetch else 0
+        self._ready, self._building, self._pins = {}, set(), {}
+        self._ready_cv = threading.Condition()
+        self._assembler = None
+        if self.prefetch_batches:
+            self._assembler = threading.Thread(target=self._read_ahead, name="seekspeed-read-ahead", daemon=True)
+            self._assembler.start()
         if hot is not None:
             per_shard = max(store.shard_bytes(s) for s in range(len(store.shards)))
             # look as far ahead as the budget holds: a fetch never evicts a shard needed sooner
@@ -295,15 +304,27 @@ class TieredBatches:
                 self._thread = threading.Thread(target=self._prefetch, name="seekspeed-prefetch", daemon=True)
                 self._thread.start()
 
+    @property
+    def position(self):
+        """Micro-batches served since the order's ``start_row``."""
+        return self._position
+
+    @position.setter
+    def position(self, value):
+        with self._ready_cv:
+            self._position = int(value)
+            self._generation += 1
+            self._ready.clear()
+            self._ready_cv.notify_all()
+        self._wake.set()
+
     def seek(self, start_row):
         """Continue at row ``start_row`` of the order's stream (the rows a resumed run has
         consumed), at any data-parallel degree or micro-batch."""
         with self._uses_lock:
             self.order.start_row = int(start_row)
-            self.position = 0
             self._uses_cache = {}
-            self._generation += 1
-        self._wake.set()
+        self.position = 0
 
     def _uses(self, block):
         """shard -> sorted positions (micro-batches) of ``block`` (positions [block S,
@@ -394,6 +415,9 @@ class TieredBatches:
     def close(self):
         self._stop = True
         self._wake.set()
+        with self._ready_cv:
+            self._ready.clear()
+            self._ready_cv.notify_all()
 
     def __iter__(self):
         return self
@@ -403,26 +427,86 @@ class TieredBatches:
             self._header[shard] = self.cold.header(self.store.shard_name(shard))
         return self._header[shard]
 
-    def __next__(self):
-        if self._error is not None:
-            raise self._error
-        start = time.perf_counter()
-        rows = self.order.rows(self.position, self.dp_rank)
+    def _read_ahead(self):
+        """Assemble the next ``prefetch_batches`` micro-batches while the consumer computes,
+        so that a pull of a resident batch is a dictionary lookup, not a gather and two
+        casts on the step's critical path."""
+        while True:
+            with self._ready_cv:
+                while True:
+                    if self._stop or self._error is not None:
+                        return
+                    key = next(((self._generation, p) for p in range(self._position,
+                                                                     self._position + self.prefetch_batches)
+                                if (self._generation, p) not in self._ready
+                                and (self._generation, p) not in self._building), None)
+                    if key is not None:
+                        break
+                    self._ready_cv.wait()
+                self._building.add(key)
+            try:
+                batch = self._assemble(key[1])
+            except Exception as exc:          # surfaced by the next __next__
+                with self._ready_cv:
+                    self._error = exc
+                    self._building.discard(key)
+                    self._ready_cv.notify_all()
+                return
+            with self._ready_cv:
+                self._building.discard(key)
+                if key[0] == self._generation and key[1] >= self._position:
+                    self._ready[key] = batch
+                self._ready_cv.notify_all()
+
+    def _assemble(self, position):
+        """Micro-batch ``position``'s ``(input_ids, labels)``, read through the tiers."""
+        rows = self.order.rows(position, self.dp_rank)
         shards = self.order.shard_of(rows)
         offsets = rows - self.order.starts[shards]
         if self.hot is not None:
-            self.hot.pinned = set(int(s) for s in np.unique(shards))
-        out = np.empty((len(rows), self.store.row_len), dtype=self.store.dtype)
-        for s in np.unique(shards):
-            mask = shards == s
+            with self._ready_cv:            # protected from eviction while any assembly reads them
+                self._pins[position] = set(int(s) for s in np.unique(shards))
+                self.hot.pinned = set().union(*self._pins.values())
+        try:
+            out = np.empty((len(rows), self.store.row_len), dtype=self.store.dtype)
+            for s in np.unique(shards):
+                mask = shards == s
+                if self.hot is not None:
+                    out[mask] = self.hot.array(int(s))[offsets[mask]]
+                else:
+                    raw = self.cold.read_rows(self.store.shard_name(int(s)), offsets[mask], row_bytes=self.row_bytes,
+                                              header=self._header_of(int(s)))
+                    out[mask] = np.frombuffer(b"".join(raw), dtype=self.store.dtype).reshape(-1, self.store.row_len)
+        finally:
             if self.hot is not None:
-                out[mask] = self.hot.array(int(s))[offsets[mask]]
-            else:
-                raw = self.cold.read_rows(self.store.shard_name(int(s)), offsets[mask], row_bytes=self.row_bytes,
-                                          header=self._header_of(int(s)))
-                out[mask] = np.frombuffer(b"".join(raw), dtype=self.store.dtype).reshape(-1, self.store.row_len)
-        batch = torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
-        self.position += 1
+                with self._ready_cv:
+                    self._pins.pop(position, None)
+        return torch.from_numpy(out[:, :-1].astype(np.int64)), torch.from_numpy(out[:, 1:].astype(np.int64))
+
+    def __next__(self):
+        start = time.perf_counter()
+        batch = None
+        with self._ready_cv:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                key = (self._generation, self._position)
+                batch = self._ready.pop(key, None)
+                if batch is not None or key not in self._building:
+                    break
+                self._ready_cv.wait()          # the read-ahead is assembling this one
+            if batch is None:
+                self._building.add(key)
+        if batch is None:
+            try:
+                batch = self._assemble(key[1])
+            finally:
+                with self._ready_cv:
+                    self._building.discard(key)
+        with self._ready_cv:
+            if key[0] == self._generation:
+                self._position += 1
+            self._ready_cv.notify_all()        # the read-ahead moves on
         self.stats.batches += 1
         self.stats.wait_s += time.perf_counter() - start
         if self.hot is not None:
