@@ -9,6 +9,11 @@ and the tail of its output.
 ``deepspeed.init_distributed('gloo')`` unless ``init_dist=False``; what it returns
 (tensors become numpy arrays) comes back as ``results[rank]``.
 
+Ranks are forked from a forkserver that has imported torch and DeepSpeed once (as
+tests/test_checkpoint.py's kill trials do), so a call costs a fork and a gloo
+rendezvous rather than an interpreter start-up and those imports per rank; each rank
+then takes the caller's environment as it is at the call, as a spawned one would.
+
 Each rank computes on ``SEEKSPEED_TEST_THREADS`` threads (default 1), as do the
 single-process references that call ``compute_threads()``: running the suite again with 2
 (and ``ATEN_CPU_CAPABILITY=avx2``) changes the kernels' blocking and reduction order,
@@ -45,10 +50,26 @@ def _plain(value):
     return value
 
 
-def _worker(fn, rank, world_size, port, args, results, log_path, extra_env, init_dist):
+# what the forkserver imports once; one server serves the whole pytest process, so every
+# user of the "forkserver" context (test_checkpoint.py too) asks for this same list
+PRELOAD = ["torch", "torch.distributed", "numpy", "zstandard", "deepspeed", "deepspeed.runtime.pipe",
+           "ds_ext.config", "ds_ext.checkpoint.engine", "tests.checkpoint_worker"]
+
+
+def rank_context():
+    """The multiprocessing context ranks start from: the preloaded forkserver."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(fn, rank, world_size, port, args, results, log_path, extra_env, init_dist, parent_env, cwd):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.environ.clear()                       # the caller's environment now, not the server's at its start
+    os.environ.update(parent_env)
+    os.chdir(cwd)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": str(compute_threads()), "DS_ACCELERATOR": "cpu", **(extra_env or {})})
@@ -79,12 +100,13 @@ def _tail(path, lines=25):
 
 
 def run_ranks(fn, *, world_size, args=(), timeout=180, env=None, init_dist=True):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     logdir = tempfile.mkdtemp(prefix="seekspeed-ranks-")
     logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, logs[r], env, init_dist),
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, logs[r], env, init_dist,
+                                                         dict(os.environ), os.getcwd()),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

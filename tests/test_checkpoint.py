@@ -24,7 +24,6 @@ the rest as before."""
 import collections
 import functools
 import json
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.forkserver as mp_forkserver
 import os
@@ -39,7 +38,7 @@ import torch
 from ds_ext.checkpoint import catalog, format as fmt
 from tests import checkpoint_worker
 from tests.mounts import small_tmpfs
-from tests.distributed import free_port, run_ranks
+from tests.distributed import free_port, rank_context, run_ranks
 
 
 def _sample_state():
@@ -302,8 +301,6 @@ def test_disk_full_fails_the_save_cleanly(tmp_path, on_error):
 # Ranks start from a forkserver that has imported torch, DeepSpeed and the engine once,
 # so a trial costs a fork and a gloo rendezvous, not two interpreter start-ups.
 
-_PRELOAD = ["torch", "torch.distributed", "zstandard", "deepspeed", "ds_ext.config", "ds_ext.checkpoint.engine",
-            "tests.checkpoint_worker"]
 _MB_PER_RANK = 1
 _N_PER_PHASE = 8
 _N_RANDOM = 40
@@ -493,8 +490,7 @@ def _check_resume(job, save_dir, newest):
 @pytest.mark.multirank
 def test_sigkill_along_the_save_path_never_leaves_a_torn_checkpoint(tmp_path):
     rng = random.Random(20261130)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = rank_context()
     trials, ports, jobs = _trials(rng), set(), []
 
     def start(save_dir, steps, log_dir, env=({}, {})):
