@@ -53,7 +53,7 @@ def _plain(value):
 # what the forkserver imports once; one server serves the whole pytest process, so every
 # user of the "forkserver" context (test_checkpoint.py too) asks for this same list
 PRELOAD = ["torch", "torch.distributed", "numpy", "zstandard", "deepspeed", "deepspeed.runtime.pipe",
-           "ds_ext.config", "ds_ext.checkpoint.engine", "tests.checkpoint_worker"]
+           "ds_ext.config", "ds_ext.checkpoint.engine", "tests.checkpoint_worker", "tests.rank_preload"]
 
 
 def rank_context():

@@ -2,13 +2,16 @@
 from the process's first step; a resumed process starts it with pow(beta, step), which
 rounds otherwise from a few steps on (beta2 0.95: step 6). ds_ext.checkpoint.adam_history
 replays the steps taken on empty tensors after a load, so a resume updates every weight
-bitwise as the uninterrupted run does. Each resumed half runs in a fresh interpreter (the
-kernel's state is per process); about 15 s."""
+bitwise as the uninterrupted run does. Each resumed half runs in a fresh process (the
+kernel's state is per process), forked from the test ranks' forkserver, which has loaded
+the op but never stepped an optimizer (tests/rank_preload.py); a few seconds once the op
+is built."""
 
 import copy
-import multiprocessing as mp
 
 import torch
+
+from tests.distributed import rank_context
 
 STEPS, STOP = 9, 6          # resume after step 6: steps 7.. need beta2^t from the product
 
@@ -42,7 +45,7 @@ def _resume_in_fresh_process(state, replay, out):
 
 
 def _resumed(state, replay):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     p = ctx.Process(target=_resume_in_fresh_process, args=(state, replay, out))
     p.start()
