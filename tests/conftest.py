@@ -15,7 +15,11 @@ def pytest_sessionstart(session):
     os.environ.setdefault("SEEKSPEED_CACHE", os.path.join(cache, "seekspeed"))
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(cache, "hf-datasets"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # The fused top-k kernel (ds_ext/comm/csrc) is built on first use, about half a
-    # minute; build it here once, so that no multi-rank test spends its timeout on it.
+    # The fused top-k and sign kernels (ds_ext/comm/csrc) are built on first use, about
+    # 40 s each with one g++ apiece; build both here at once, one per core (54 s for the
+    # two on a clean cache, against about 85 s one after the other), so that no
+    # multi-rank test spends its timeout on them.
+    from concurrent.futures import ThreadPoolExecutor
     from ds_ext.comm import kernels
-    kernels.topk_select()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda build: build(), (kernels.topk_select, kernels.sign_codec)))
