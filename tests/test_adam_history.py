@@ -4,8 +4,8 @@ rounds otherwise from a few steps on (beta2 0.95: step 6). ds_ext.checkpoint.ada
 replays the steps taken on empty tensors after a load, so a resume updates every weight
 bitwise as the uninterrupted run does. Each resumed half runs in a fresh process (the
 kernel's state is per process), forked from the test ranks' forkserver, which has loaded
-the op but never stepped an optimizer (tests/rank_preload.py); a few seconds once the op
-is built."""
+the op but never stepped an optimizer (tests/rank_preload.py); about 15 s, most of it the
+forkserver's own start when this test is the first to use it."""
 
 import copy
 

@@ -21,7 +21,8 @@ over seeds 0, 1, 2 at these 60 steps (-0.24 % to +6.53 % against dense,
 --momentum-warmup 20 --seeds 0 1 2`, benchmarks/results/compression_adamw_60steps.json;
 at 150 steps the same seeds ended -0.8 % to -3.4 %, compression_adamw_150steps.json):
 BOUND_PCT holds that spread with room and still fails a momentum mode whose frozen
-variance throws the weights (+95 % before the step floor in FrozenVarianceAdam). It is
+variance throws the weights (+95 % before the step floor in FrozenVarianceAdam, measured
+at 150 steps; not remeasured at 60). It is
 wider than the 3 % the 150-step run allowed, so a quiet few-percent regression is left to
 the benchmark's 300-step runs."""
 
