@@ -56,8 +56,6 @@ class Checkpointer:
     def resume(self):
         """Load the newest complete checkpoint (all ranks); the engine then stands at its step."""
         load_path = self._load()
-        from .checkpoint.adam_history import replay
-        replay(self.engine.optimizer)          # CPU FusedAdam's beta powers as the uninterrupted run has them
         if self.rank == 0:
             print(f"resumed from {load_path} at step {self.engine.global_steps}", flush=True)
         self.last_save = time.monotonic()

@@ -1,61 +1,78 @@
-"""The step history DeepSpeed's CPU FusedAdam keeps outside its state dict.
+"""DeepSpeed's CPU FusedAdam made to compute its beta powers from the step, as the CUDA
+kernel does, so that an optimizer step depends on the state dict alone and a resumed
+process updates every weight bitwise as the uninterrupted one.
 
-DeepSpeed's fused Adam on the CPU accelerator (ops/csrc/adam/cpu_adam_impl.cpp) keeps
-beta1^t and beta2^t in the C++ optimizer object, per process: the first step computes
-them with ``pow(beta, step)``, each later step multiplies the previous value by beta in
-float. A resumed process starts with ``pow`` at the checkpoint's step, which differs from
-the uninterrupted run's running product in the last bit from a few steps on (beta2 = 0.95:
-from step 6), so every parameter update after a resume rounds differently and the run
-leaves the uninterrupted trajectory. The CUDA kernel computes the powers from the step at
-every call and has no such history.
+The CPU kernel (ops/csrc/cpu/adam/fused_adam.cpp, ops/csrc/includes/cpu_adam.h) keeps
+one C++ optimizer per process and mode, shared by every FusedAdam and every parameter
+group in it, holding beta1^t and beta2^t between calls: a call with the same betas and
+``step`` one more than the last multiplies them by beta in float; any other step, or
+other betas, sets them to ``pow(beta, step)``. A process that has trained N steps holds
+the running product; a resumed one starts with ``pow(beta, N + 1)``, which differs in
+the last bit from a few steps on (beta2 = 0.95: step 6), so every update after a resume
+would round otherwise. Which ``step`` the kernel is called with also depends on the
+layout: FusedAdam.step increments ``state["step"]`` once per dtype list after its loop
+over the group's parameters, so only the group's last parameter with a gradient counts
+(ZeRO stage 0 in fp32: 51 parameters in one group, 50 of them at step 0 in a
+checkpoint); under ZeRO and the BF16 optimizer each group is one flat tensor.
 
-``replay(engine.optimizer)`` brings a freshly loaded process to the uninterrupted run's state by calling the
-same kernel, for every step already taken, on empty tensors: the kernel advances its beta
-powers exactly as training did and touches no element.
+``install(optimizer)`` wraps the kernel of every FusedAdam under ``optimizer`` (ZeRO's
+and the BF16 optimizer's inner one, Muon's auxiliary Adam) so that each call is preceded
+by one on empty tensors with betas no call uses (NaN): the real call then always takes
+the ``pow(beta, step)`` branch, whatever ran before in the process, and touches no
+element more. Nothing is replayed on resume and no step has to be read back. The CUDA
+kernel computes the powers from the step at every call and is left as it is.
 """
+
+import math
 
 import torch
 
+# the kernel's "no history" betas: NaN differs from every beta, itself included
+_RESET_BETA = math.nan
 
-def _fused_adam(optimizer):
-    """DeepSpeed's FusedAdam: ``optimizer`` itself or the one under its ZeRO / BF16
-    wrappers; None when there is none."""
+
+def fused_adams(optimizer):
+    """DeepSpeed's FusedAdam instances reachable from ``optimizer``: itself, the one
+    under its ZeRO / BF16 wrappers (``.optimizer``), Muon's auxiliary Adam
+    (``.aux_optimizer``)."""
     from deepspeed.ops.adam import FusedAdam
-    opt = optimizer
-    for _ in range(4):
+    found, seen, todo = [], set(), [optimizer]
+    while todo:
+        opt = todo.pop()
+        if opt is None or id(opt) in seen:
+            continue
+        seen.add(id(opt))
         if isinstance(opt, FusedAdam):
-            return opt
-        opt = getattr(opt, "optimizer", None)
-    return None
+            found.append(opt)
+        todo += [getattr(opt, name, None) for name in ("optimizer", "aux_optimizer")]
+    return found
 
 
-def needs_replay(optimizer):
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name() == "cpu" and _fused_adam(optimizer) is not None
-
-
-def _group_step(opt, group):
-    steps = {int(opt.state[p]["step"]) for p in group["params"] if "step" in opt.state.get(p, {})}
-    if len(steps) > 1:
-        raise RuntimeError(f"FusedAdam parameter group holds parameters at steps {sorted(steps)}")
-    return steps.pop() if steps else 0
-
-
-def replay(optimizer):
-    """Advance the CPU kernel's beta powers through every step the loaded optimizer has
-    taken, in the order training called it (each step, each parameter group). Returns
-    the number of steps replayed (0 where nothing needed it)."""
-    if not needs_replay(optimizer):
-        return 0
-    opt = _fused_adam(optimizer)
-    groups = [(g, _group_step(opt, g)) for g in opt.param_groups if g["params"]]
-    last = max((s for _, s in groups), default=0)
+def history_free(kernel):
+    """``kernel`` (FusedAdam's ``multi_tensor_adam``) preceded at every call by a call on
+    empty tensors with NaN betas, so that the real call computes ``pow(beta, step)``."""
+    if getattr(kernel, "seekspeed_history_free", False):
+        return kernel
     empty = [[torch.empty(0, dtype=torch.float32)] for _ in range(4)]
-    for step in range(1, last + 1):
-        for group, taken in groups:
-            if step <= taken:
-                beta1, beta2 = group["betas"]
-                opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, empty, group["lr"], beta1, beta2,
-                                      group["eps"], step, opt.adam_w_mode, 1 if group["bias_correction"] else 0,
-                                      group["weight_decay"])
-    return last
+
+    def call(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_correction,
+             weight_decay):
+        kernel(chunk_size, noop_flag, empty, lr, _RESET_BETA, _RESET_BETA, eps, step, mode, bias_correction,
+               weight_decay)
+        return kernel(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, mode, bias_correction,
+                      weight_decay)
+
+    call.seekspeed_history_free = True
+    return call
+
+
+def install(optimizer):
+    """Make every CPU FusedAdam under ``optimizer`` history-free (see the module
+    docstring). Returns how many were changed (0 on accelerators other than the CPU)."""
+    from deepspeed.accelerator import get_accelerator
+    if optimizer is None or get_accelerator().device_name() != "cpu":
+        return 0
+    adams = fused_adams(optimizer)
+    for opt in adams:
+        opt.multi_tensor_adam = history_free(opt.multi_tensor_adam)
+    return len(adams)

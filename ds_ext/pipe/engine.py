@@ -473,6 +473,10 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
                         config=config, config_class=config_class, **extra)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
+    # CPU FusedAdam's beta powers from the step, not from the process's history: a
+    # resumed run then steps bitwise as the uninterrupted one (ds_ext/checkpoint/adam_history.py)
+    from ds_ext.checkpoint.adam_history import install as history_free_adam
+    history_free_adam(engine.optimizer)
     if comm is not None:
         install(engine, comm, node_of=node_of, log=log)
     if overlap_grad_reduce:
