@@ -178,8 +178,10 @@ def _resume_decision(args, directory):
                               f"with --resume auto), or set seekspeed.checkpoint.dir / --checkpoint-dir")
         if not found:
             if int(os.environ.get("RANK", "0")) == 0:
-                print(f"--resume auto: no checkpoint in {directory} yet, starting fresh", flush=True)
-            resume = False
+                torn = _checkpoint_exists(directory)
+                print(f"--resume auto: no complete checkpoint in {directory} yet, starting fresh"
+                      + (" (the saves there never completed and will be written again)" if torn else ""), flush=True)
+            return False
     if not resume and _checkpoint_exists(directory):
         raise ConfigError(f"checkpoint directory {directory} already holds a checkpoint: pass --resume (or "
                           f"--resume auto) to continue it, or choose another --checkpoint-dir (nothing was "

@@ -416,8 +416,8 @@ class AsyncCheckpointing:
         client_state = {} if client_state is None else client_state     # DeepSpeed's default, not shared
         ckpt = self._async_checkpoints()
         if ckpt is None:
-            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                           exclude_frozen_parameters=exclude_frozen_parameters)
+            return self._save_then_point_latest(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                                exclude_frozen_parameters=exclude_frozen_parameters)
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
@@ -433,6 +433,20 @@ class AsyncCheckpointing:
             ckpt.seal()
         return True
 
+    def _save_then_point_latest(self, save_dir, *, tag, client_state, save_latest, exclude_frozen_parameters):
+        """DeepSpeed's own save, with ``latest`` written by this engine: DeepSpeed's rank 0
+        writes it right after its own files, before the barrier that waits for the other
+        ranks' (a rank killed while still writing would leave ``latest`` naming a torn
+        checkpoint), and truncates it in place (a kill there leaves it empty). Here rank 0
+        replaces it atomically once DeepSpeed's closing barrier has seen every rank's files
+        written, so ``latest`` only ever names a complete checkpoint."""
+        saved = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        if save_latest and self.global_rank == 0:
+            tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+            catalog.write_atomic(os.path.join(save_dir, catalog.LATEST), tag.encode())
+        return saved
+
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         ckpt = getattr(self, "checkpoint_engine", None)
         if isinstance(ckpt, AsyncCheckpointEngine):
@@ -447,7 +461,29 @@ class AsyncCheckpointing:
                 return super().load_checkpoint(load_dir, None, *args, **kwargs)   # DeepSpeed's warning, (None, None)
         if isinstance(ckpt, (AsyncCheckpointEngine, RestrictedTorchCheckpointEngine)):
             check_before_load(load_dir, tag, group=ckpt.group, every_node=self.use_node_local_storage())
+        if self._bf16_optimizer_without_zero() and kwargs.get("load_optimizer_states", True) \
+                and not kwargs.get("load_module_only", False):
+            return self._load_bf16_without_zero(load_dir, tag, *args, **kwargs)
         return super().load_checkpoint(load_dir, tag, *args, **kwargs)
+
+    def _bf16_optimizer_without_zero(self):
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        return isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization()
+
+    def _load_bf16_without_zero(self, load_dir, tag, *args, **kwargs):
+        """DeepSpeed 0.19.8 builds its BF16 optimizer for a bf16 pipeline under ZeRO stage 0
+        and saves its state per data-parallel rank (bf16_zero_pp_rank_*), as under ZeRO 1,
+        but loads it only when ZeRO is on: otherwise it hands the model file's single state
+        dict to BF16_Optimizer.load_state_dict, which indexes it by rank (KeyError: 0), so
+        no such run could resume. Here the engine loads everything but the optimizer, then
+        the optimizer from those files, as DeepSpeed does under ZeRO 1."""
+        load_path, client_states = super().load_checkpoint(load_dir, tag, *args,
+                                                           **(kwargs | {"load_optimizer_states": False}))
+        if load_path is not None and not self._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+            raise CheckpointError(f"{os.path.join(load_dir, tag)}: DeepSpeed's BF16 optimizer state "
+                                  f"(bf16_zero_pp_rank_*_optim_states.pt) is missing; resume from a checkpoint "
+                                  f"that has it, or start a new run")
+        return load_path, client_states
 
     def train_batch(self, *args, **kwargs):
         loss = super().train_batch(*args, **kwargs)
