@@ -500,6 +500,9 @@ class RunConfig:
     section: SeekspeedSection
     layout: Layout
     warnings: list
+    # DeepSpeed's op builders its optimizer for this config loads (ds_keys.check): the
+    # trainer loads them under ds_ext.ops.build_guard before DeepSpeed does
+    compiled_ops: tuple = ()
 
 
 def mixed_precision(ds):
@@ -585,8 +588,8 @@ def load_config(path, *, world_size, overrides=None):
     section = from_dict(SeekspeedSection, raw, where=SECTION)
     ds[SECTION] = raw
     _fill_auto(ds, section)
-    layout, warnings = resolve_layout(ds, world_size=world_size, section=section, path=path)
-    return RunConfig(path=path, ds=ds, section=section, layout=layout, warnings=warnings)
+    layout, warnings, compiled_ops = resolve_layout(ds, world_size=world_size, section=section, path=path)
+    return RunConfig(path=path, ds=ds, section=section, layout=layout, warnings=warnings, compiled_ops=compiled_ops)
 
 
 _AUTO_SCHEDULER_PARAMS = {"total_num_steps"}
@@ -716,7 +719,8 @@ def check_overlap_grad_reduce(ds, section, *, zero):
 
 
 def resolve_layout(ds, *, world_size, section, path="config"):
-    """The parallel layout and the warnings about keys DeepSpeed will ignore.
+    """The parallel layout, the warnings about keys DeepSpeed will ignore and the op
+    builders DeepSpeed's optimizer loads.
 
     Batch sizes are resolved by DeepSpeed's own ``DeepSpeedConfig`` for the
     data-parallel size, so what is checked here is what the engine will do.
@@ -754,7 +758,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError(f"{path}: DeepSpeed rejects the config ({type(exc).__name__}: {' | '.join(lines[:3])})"
                           f"; fix the DeepSpeed keys named there") from None
-    ds_keys.check(ds, resolved=resolved)
+    compiled_ops = ds_keys.check(ds, resolved=resolved)
     layout = Layout(world_size=world_size, pipe_stages=stages, data_parallel=dp,
                     micro_batch=resolved.train_micro_batch_size_per_gpu,
                     grad_accum=resolved.gradient_accumulation_steps, train_batch=resolved.train_batch_size,
@@ -781,7 +785,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             warnings.append(f"top-level key {key!r} is not a DeepSpeed key; DeepSpeed will ignore it{hint}")
-    return layout, warnings
+    return layout, warnings, compiled_ops
 
 
 def print_warnings(warnings, *, rank):

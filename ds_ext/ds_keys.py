@@ -15,7 +15,12 @@ Here, before any of that:
   (``_configure_basic_optimizer``, ``_scheduler_from_config``, so the class DeepSpeed
   picks for the type on this machine) for a one-element dummy parameter, and stepped
   once; a failure is pinned to one key by building again without it (or with it
-  alone);
+  alone). No compiled op is built or loaded for it (a check must not wait on a C++
+  build, see ds_ext/ops.py): DeepSpeed's op loader answers with the op's binding as
+  declared, whose arguments are converted as pybind11 converts them and whose
+  arithmetic is not run (FusedAdam's ``multi_tensor_adam``, ``_KERNEL_BINDINGS``); an
+  optimizer whose op has no binding here is checked up to the load of its op. The ops
+  the optimizer asked for are what ``check`` returns, for the trainer to load;
 - ``data_types.grad_accum_dtype`` is resolved by the engine's ``get_data_types``.
 
 Every failure is one ``ConfigError`` line naming the key path, the value and the fix.
@@ -33,12 +38,77 @@ from .errors import ConfigError
 
 def check(ds, *, resolved):
     """Check DeepSpeed's keys of ``ds`` (the JSON as a dict); ``resolved`` is the
-    ``DeepSpeedConfig`` DeepSpeed's parser made of it."""
-    with _quiet_deepspeed():
+    ``DeepSpeedConfig`` DeepSpeed's parser made of it. Returns the class names of the
+    op builders DeepSpeed's optimizer for it loads (sorted)."""
+    requested = set()
+    with _quiet_deepspeed(), _ops_as_declared(requested):
         view_cls = _engine_view_class()
         view = view_cls(resolved)
         _check_data_types(ds, view)
         _check_optimizer_and_scheduler(ds, view_cls, resolved)
+    return tuple(sorted(requested))
+
+
+# --- compiled ops, as their bindings declare them ------------------------------------
+
+class _OpNotLoaded(Exception):
+    """An op the check does not load: the optimizer is checked up to here."""
+
+
+def _pybind_float(name, value):
+    import numbers
+    if not isinstance(value, numbers.Real):       # pybind11 takes int, float, bool and numpy scalars
+        raise TypeError(f"incompatible function arguments: {name} {value!r} is not a float")
+
+
+def _pybind_int(name, value):
+    import numbers
+    if not isinstance(value, numbers.Integral):   # pybind11 refuses a float for an int
+        raise TypeError(f"incompatible function arguments: {name} {value!r} is not an int")
+
+
+class _FusedAdamBinding:
+    """DeepSpeed's fused_adam op as its binding declares it (ops/csrc/cpu/adam/fused_adam.cpp
+    and csrc/adam/fused_adam_frontend.cpp: int chunk_size, Tensor noop_flag, a list of
+    tensor lists, float lr, beta1, beta2, epsilon, int step, mode, bias_correction, float
+    weight_decay)."""
+
+    @staticmethod
+    def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
+                          bias_correction, weight_decay):
+        import torch
+        _pybind_int("chunk_size", chunk_size)
+        if not isinstance(noop_flag, torch.Tensor) or not all(
+                isinstance(t, torch.Tensor) for group in tensor_lists for t in group):
+            raise TypeError("incompatible function arguments: tensors expected")
+        for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon),
+                            ("weight_decay", weight_decay)):
+            _pybind_float(name, value)
+        for name, value in (("step", step), ("mode", mode), ("bias_correction", bias_correction)):
+            _pybind_int(name, value)
+
+
+_KERNEL_BINDINGS = {"fused_adam": _FusedAdamBinding}
+
+
+@contextlib.contextmanager
+def _ops_as_declared(requested):
+    """DeepSpeed's op loader answering with ``_KERNEL_BINDINGS`` (or ``_OpNotLoaded``),
+    recording each builder asked for in ``requested``."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    plain = OpBuilder.load
+
+    def load(builder, verbose=False):
+        requested.add(type(builder).__name__)
+        if builder.name not in _KERNEL_BINDINGS:
+            raise _OpNotLoaded(builder.name)
+        return _KERNEL_BINDINGS[builder.name]
+
+    OpBuilder.load = load
+    try:
+        yield
+    finally:
+        OpBuilder.load = plain
 
 
 def check_pydantic_sections(ds):
@@ -284,6 +354,8 @@ class _Trial:
                     opt.step()
                     sched.step()
             return None
+        except _OpNotLoaded:
+            return None                      # checked as far as can be without building the op
         except AttributeError as exc:
             if isinstance(getattr(exc, "obj", None), _EngineViewBase):
                 raise                        # DeepSpeed asked its engine for more than the view holds

@@ -123,6 +123,7 @@ def run(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
     else:
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _load_ops(plan, rank=rank)
     from .distributed import init_distributed
     init_distributed()
     finished = False
@@ -136,6 +137,20 @@ def run(args):
         if finished and torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+
+
+def _load_ops(plan, *, rank):
+    """The compiled ops DeepSpeed will load (its CPU all-reduce, the optimizer's),
+    loaded first under ds_ext.ops.build_guard: built here when missing, a dead build's
+    lock removed, a live one waited for with a progress line (node-local rank 0 prints
+    the waits; any rank the build and the removal)."""
+    from .ops import load_deepspeed_ops, run_ops
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def log(message):
+        if local_rank == 0 or not message.startswith("ops: waiting"):
+            print(f"{message}{f' (rank {rank})' if rank else ''}", file=sys.stderr, flush=True)
+    load_deepspeed_ops(run_ops(plan.cfg.compiled_ops), log=log)
 
 
 def _train(args, plan, control):
@@ -430,6 +445,8 @@ def _print_summary(summary):
 
 
 def main(argv=None):
+    from .ops import use_environment_root
+    use_environment_root()         # this environment's op builds, before torch or DeepSpeed looks for one
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -1,6 +1,7 @@
 # Sourced by launch/quickstart.sh and tests/run.sh: make .venv (Python 3.11) with
 # requirements.txt installed, reinstalling only when requirements.txt changes, and
-# build DeepSpeed's JIT ops once (cached in ~/.cache/torch_extensions).
+# build the compiled ops a run loads once, inside the venv (.venv/torch_extensions;
+# python -m ds_ext.ops, see ds_ext/ops.py), so no launch builds or waits on a build.
 set -euo pipefail
 SEEKSPEED_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SEEKSPEED_VENV:-$SEEKSPEED_ROOT/.venv}"
@@ -34,11 +35,20 @@ ensure_venv() {
     # without a GPU, DeepSpeed's CPU accelerator and the gloo backend
     if ! python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
         export DS_ACCELERATOR=cpu
-        echo "setup: building DeepSpeed's CPU ops once if needed (about a minute the first time)" >&2
-        python - <<'PY' 2>&1 | grep -v -E "WARNING|^\s*$" | tail -n 3 >&2 || true
-from deepspeed.accelerator import get_accelerator
-for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
-    get_accelerator().create_op_builder(name).load(verbose=False)
-PY
+    fi
+    # the builds belong to this venv's torch and DeepSpeed (the trainer picks the same place)
+    export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+    local ops_stamp="$TORCH_EXTENSIONS_DIR/.seekspeed-ops-built"
+    if [[ ! -f "$ops_stamp" || "$(cat "$ops_stamp")" != "$want" ]]; then
+        echo "setup: building the compiled ops runs load into $TORCH_EXTENSIONS_DIR (about two minutes, once)" >&2
+        mkdir -p "$TORCH_EXTENSIONS_DIR"
+        local ops_log="$TORCH_EXTENSIONS_DIR/.seekspeed-ops-build.log"
+        if ! (cd "$SEEKSPEED_ROOT" && python -m ds_ext.ops) >"$ops_log" 2>&1; then
+            tail -n 20 "$ops_log" >&2
+            echo "error: building the compiled ops failed (log: $ops_log); a C++ compiler and ninja are needed" >&2
+            return 1
+        fi
+        grep -E "^ops:" "$ops_log" >&2 || true
+        echo "$want" > "$ops_stamp"
     fi
 }

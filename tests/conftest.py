@@ -5,6 +5,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("PYTHONPATH", ROOT)
+# compiled ops in this environment's build directory (ds_ext/ops.py), for the test process,
+# the ranks it forks and the launchers it starts alike
+from ds_ext.ops import use_environment_root  # noqa: E402
+use_environment_root()
 
 
 def pytest_sessionstart(session):

@@ -1,7 +1,8 @@
 """seekspeed's C++ kernels, built on first use with torch.utils.cpp_extension (as
-DeepSpeed builds its own ops: about half a minute, cached under TORCH_EXTENSIONS_DIR,
-by default ~/.cache/torch_extensions, in a directory named after the source's hash,
-so checkouts with different sources do not share a build).
+DeepSpeed builds its own ops: about half a minute, cached where ds_ext/ops.py says:
+TORCH_EXTENSIONS_DIR, or the virtual environment's torch_extensions, in a directory
+named after the source's hash, so checkouts with different sources do not share a
+build; under ds_ext.ops.build_guard, so a killed build's lock stalls no later one).
 
 ``topk_select()``: the fused accumulate-and-select pass of sampled top-k on CPU
 (csrc/topk_select.cpp); ``sign_codec()``: sign's block encode (scales, packed bits, the
@@ -28,8 +29,11 @@ def _load(stem):
         source = os.path.join(_CSRC, f"{stem}.cpp")
         try:
             from torch.utils.cpp_extension import load
-            _built[stem] = load(name=_source_name(source, f"seekspeed_{stem}"), sources=[source],
-                                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            from ds_ext.ops import build_guard
+            name = _source_name(source, f"seekspeed_{stem}")
+            with build_guard(name):      # no launch waits in silence on a killed build's lock
+                _built[stem] = load(name=name, sources=[source], extra_cflags=["-O3", "-fopenmp"],
+                                    extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:        # no compiler, headers or ninja: torch ops do the same work
             _built[stem] = exc
     return _built[stem]
