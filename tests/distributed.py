@@ -51,9 +51,15 @@ def _plain(value):
 
 
 # what the forkserver imports once; one server serves the whole pytest process, so every
-# user of the "forkserver" context (test_checkpoint.py too) asks for this same list
+# user of the "forkserver" context (test_checkpoint.py too) asks for this same list. The
+# trainer and what it imports on its first step (torch._dynamo through the optimizer,
+# datasets for the data; DeepSpeed's Muon module, which ZeRO's optimizer check imports
+# and whose torch.compile decorators import the inductor) cost a forked trainer rank
+# about 2.7 s, and 2.5 s more under ZeRO, otherwise.
 PRELOAD = ["torch", "torch.distributed", "numpy", "zstandard", "deepspeed", "deepspeed.runtime.pipe",
-           "ds_ext.config", "ds_ext.checkpoint.engine", "tests.checkpoint_worker", "tests.rank_preload"]
+           "ds_ext.config", "ds_ext.checkpoint.engine", "tests.checkpoint_worker", "tests.rank_preload",
+           "torch._dynamo", "datasets", "ds_ext.trainer", "tests.kill_worker",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 def rank_context():
