@@ -84,7 +84,11 @@ def _holders(path):
     """Processes on this machine (that this one may look at) holding ``path`` open."""
     target = os.path.realpath(path)
     found = []
-    for pid in os.listdir("/proc"):
+    try:
+        pids = os.listdir("/proc")
+    except OSError:               # no /proc to look at: nothing seen holds it
+        return found
+    for pid in pids:
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         fd_dir = f"/proc/{pid}/fd"
@@ -191,6 +195,14 @@ def is_built(name):
     return os.path.exists(os.path.join(build_directory(name), f"{name}.so"))
 
 
+def _preinstalled(builder):
+    """DeepSpeed installed with the op built in (DS_BUILD_OPS=1): it imports it, as
+    OpBuilder.load decides, and builds nothing."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    return bool(installed_ops.get(builder.name, False)) and accelerator_name == get_accelerator()._name
+
+
 def load_deepspeed_ops(names, *, log=_stderr):
     """Load DeepSpeed's op builders ``names`` (class names such as "FusedAdamBuilder")
     for this accelerator, each under ``build_guard``; returns the modules."""
@@ -202,8 +214,8 @@ def load_deepspeed_ops(names, *, log=_stderr):
         if builder is None:
             raise RuntimeError(f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} "
                                f"accelerator")
-        if builder.name in OpBuilder._loaded_ops:
-            modules.append(OpBuilder._loaded_ops[builder.name])
+        if builder.name in OpBuilder._loaded_ops or _preinstalled(builder):
+            modules.append(builder.load(verbose=False))        # loaded, or compiled into DeepSpeed's wheel
             continue
         with build_guard(builder.name, log=log) as directory:
             began = time.monotonic()
