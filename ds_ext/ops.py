@@ -112,13 +112,11 @@ class _Waiting:
         self.what, self.log = what, log
         self.began = time.monotonic()
         self.next_line = self.began + FIRST_LINE_S
-        self.lines = 0
 
     def tick(self, detail=""):
         now = time.monotonic()
         if now >= self.next_line:
             self.log(f"ops: waiting for {self.what}{detail}, {now - self.began:.0f} s so far")
-            self.lines += 1
             self.next_line = now + WAIT_LINE_S
 
 
@@ -249,14 +247,9 @@ def main(argv=None):
                                             "seekspeed's kernels), once per environment.")
     p.parse_args(argv)
     root = use_environment_root()
-    from concurrent.futures import ThreadPoolExecutor
     from .comm import kernels
     load_deepspeed_ops(run_ops(SETUP_OPS), log=_stderr)
-    # seekspeed's two kernels at once, one compiler per core
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda build: build(), (kernels.topk_select, kernels.sign_codec)))
-    failed = [stem for stem in ("topk_select", "sign_codec") if kernels.build_error(stem)]
-    for stem in failed:
+    for stem in kernels.build_all():
         _stderr(f"ops: seekspeed's {stem} kernel did not build ({kernels.build_error(stem)}); runs use torch ops "
                 f"for it instead")
     _stderr(f"ops: built in {root or 'torch default (~/.cache/torch_extensions)'}")

@@ -19,11 +19,7 @@ def pytest_sessionstart(session):
     os.environ.setdefault("SEEKSPEED_CACHE", os.path.join(cache, "seekspeed"))
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(cache, "hf-datasets"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # The fused top-k and sign kernels (ds_ext/comm/csrc) are built on first use, about
-    # 40 s each with one g++ apiece; build both here at once, one per core (54 s for the
-    # two on a clean cache, against about 85 s one after the other), so that no
-    # multi-rank test spends its timeout on them.
-    from concurrent.futures import ThreadPoolExecutor
+    # The fused top-k and sign kernels (ds_ext/comm/csrc) are built on first use (setup_env.sh
+    # builds them); load or build both here, so that no multi-rank test spends its timeout on them.
     from ds_ext.comm import kernels
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda build: build(), (kernels.topk_select, kernels.sign_codec)))
+    kernels.build_all()

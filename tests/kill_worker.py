@@ -26,11 +26,6 @@ import sys
 import threading
 import time
 
-ENGINE_PHASES = {
-    "deepspeed": ("save", "file", "latest"),
-    "async-zstd": ("save", "snapshot", "write", "poll", "atomic", "publish", "remove"),
-}
-
 
 class SaveTracer:
     def __init__(self, *, engine, record=None, kill=None, killed=None):

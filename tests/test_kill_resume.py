@@ -273,18 +273,15 @@ def _metrics_losses(ckpt):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_killed_anywhere_in_the_save_path_resumes_bitwise(tmp_path, case):
     rng = random.Random(f"{case}-20261204")
-    references = {}
-    for engine in ENGINES:
-        cfg, world = _config(tmp_path, case, engine)
-        ref_dir = tmp_path / engine / "reference"
-        references[engine] = _reference(ref_dir, cfg, world, engine)
+    configs = {engine: _config(tmp_path, case, engine) for engine in ENGINES}
+    references = {engine: _reference(tmp_path / engine / "reference", cfg, world, engine)
+                  for engine, (cfg, world) in configs.items()}
     # the engines write the same training: the two uninterrupted runs end alike
     assert references["deepspeed"][1] == references["async-zstd"][1]
     assert_same_checkpoint_weights(references["deepspeed"][0], references["async-zstd"][0], f"global_step{STEPS}")
 
     report = []
-    for engine in ENGINES:
-        cfg, world = _config(tmp_path, case, engine)
+    for engine, (cfg, world) in configs.items():
         ref_ckpt, ref_losses, events = references[engine]
         kills, chains = 0, 0
         while kills < _trials(world):        # a chain that finishes before its share of kills is followed by another
