@@ -11,6 +11,7 @@ import sys
 import time
 
 from .errors import ConfigError, SeekspeedError
+from .log import rank0_log
 
 # What a checkpoint must agree on for --resume to continue the same sample order. With
 # the tiered pipeline the order is one stream of rows that a resumed run continues at
@@ -24,10 +25,6 @@ _RESHAPEABLE = ("data_parallel", "micro_batch", "grad_accum")
 _LAYOUT_KEYS = ("pipe_stages", "data_parallel", "expert_parallel_size", "schedule")
 
 
-def _rank0_log(rank):
-    return (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
-
-
 class Checkpointer:
     """Saves and resumes one run's checkpoints (``plan.checkpoint_dir``; with none set,
     saves nothing). Call ``after_step`` after each optimizer step, ``finish`` once after
@@ -39,7 +36,7 @@ class Checkpointer:
         s = plan.section
         self.engine, self.control, self.rank = engine, control, rank
         self.directory, self.section, self.comm = plan.checkpoint_dir, s.checkpoint, s.comm
-        self.model_config, self.cfg = plan.model_config, plan.cfg
+        self.model_config, self.cfg, self.routed_experts = plan.model_config, plan.cfg, plan.recipe.routed_experts
         self.total = s.train.steps
         self.layout = plan.layout_record | {"optimizer": optimizer_kind(engine)}
         self.comm_settings = comm_settings(s.comm, layout=self.layout)
@@ -103,7 +100,8 @@ class Checkpointer:
                   + "; ".join(f"{k} {record[k]} -> {layout[k]}" for k in changed) + "): cutting it anew for this run",
                   flush=True)
         try:
-            reshard.load_into(engine, tag_dir, saved=record, log=_rank0_log(rank))
+            reshard.load_into(engine, tag_dir, saved=record, routed_experts=self.routed_experts,
+                              log=rank0_log(rank))
         except SeekspeedError as exc:
             error = exc
         control.stop_if_any_failed(error, rank=rank)

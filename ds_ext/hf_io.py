@@ -52,10 +52,10 @@ def read_weight_pieces(tag, config):
     A piece is one layer file, one stage's dense weights, or one MoE layer's experts.
     Every file is read through checkpoint.load (either engine's format, verified,
     restricted unpickling)."""
-    from recipes.layers.hf import HFLayout
+    from recipes import spec_for
     layers = {kind_of(name)[1]["layer"]: name for name in tag.files("layer")}
     if layers:
-        prefixes = HFLayout.of(config).file_prefix
+        prefixes = spec_for(config).hf_layout(config).file_prefix
         for position in sorted(layers):
             if position in prefixes:
                 yield {prefixes[position] + k: v for k, v in tag.load(layers[position]).items()}
@@ -139,14 +139,13 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     """Write ``out_dir`` (config.json + safetensors) from a pipeline checkpoint, one
     piece of the checkpoint in memory at a time. Nothing appears at ``out_dir``
     unless the whole export succeeds."""
-    from recipes.layers.hf import HFLayout, to_hf_state_dict
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"--out {out_dir} exists and is not empty: choose a new directory")
     ckpt, recipe, config, _ = open_checkpoint(ckpt_dir, tag)
     if recipe.hf is None:
         raise ConfigError(f"recipe {recipe.name} has no transformers counterpart (its spec's hf is None): it cannot "
                           f"be exported; give its RecipeSpec a TransformersAdapter (recipes/spec.py)")
-    layout = HFLayout.of(config)
+    layout = recipe.hf_layout(config)
     tag_dir = ckpt.path
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -154,7 +153,7 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
     try:
         writer, written, saved_dtype = _ShardWriter(tmp, max_shard_bytes), set(), None
         for number, piece in enumerate(read_weight_pieces(ckpt, config)):
-            for name, tensor in to_hf_state_dict(piece, layout).items():
+            for name, tensor in layout.state_dict_to_hf(piece).items():
                 if name in written:       # a tied embedding appears on two stages
                     continue
                 written.add(name)
@@ -183,7 +182,6 @@ def export_hf(ckpt_dir, out_dir, *, tag=None, max_shard_bytes=2 * 2**30, dtype=N
 
 def _expected_hf_keys(recipe, config, layout):
     """Every transformers tensor name the recipe's model has (built on the meta device)."""
-    from recipes.layers.hf import pipeline_to_hf_key
     keys = set()
     for position, spec in enumerate(recipe.layer_specs(config, seed=0)):
         if getattr(spec, "forward_fn", None) is not None:
@@ -191,7 +189,7 @@ def _expected_hf_keys(recipe, config, layout):
         with torch.device("meta"):
             module = spec.build()
         prefix = f"tied_modules.{spec.key}." if hasattr(spec, "key") else f"{position}."
-        keys.update(pipeline_to_hf_key(prefix + name, layout)[0] for name in module.state_dict())
+        keys.update(layout.hf_tensor(prefix + name)[0] for name in module.state_dict())
     return keys
 
 
@@ -234,7 +232,7 @@ def load_hf_into_module(module, hf_dir, config):
     """Copy the tensors of ``module``'s own layers from ``hf_dir``; returns how many.
     A missing or misshaped tensor is a ConfigError naming it and the expected shape."""
     from safetensors import safe_open
-    from recipes.layers.hf import HFLayout, first_expert, pipeline_to_hf_key
+    from recipes import spec_for
     index_path = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -242,10 +240,11 @@ def load_hf_into_module(module, hf_dir, config):
     else:
         with safe_open(os.path.join(hf_dir, SINGLE), framework="pt") as f:
             weight_map = {k: SINGLE for k in f.keys()}
-    offset, layout = first_expert(module), HFLayout.of(config)
+    recipe = spec_for(config)
+    offset, layout = recipe.first_expert(module), recipe.hf_layout(config)
     wanted = {}
     for key, tensor in module.state_dict().items():
-        hf_key, index = pipeline_to_hf_key(key, layout)
+        hf_key, index = layout.hf_tensor(key)
         expected = list(tensor.shape) if index is None else [config.n_routed_experts] + list(tensor.shape)
         if hf_key not in weight_map:
             raise ConfigError(f"init_from {hf_dir}: tensor {hf_key} is missing (expected shape {expected})")
@@ -270,9 +269,8 @@ def load_hf_into_module(module, hf_dir, config):
 def load_checkpoint_model(ckpt_dir, *, tag=None):
     """(recipe config, SequentialReference, training meta) from a pipeline checkpoint
     (recipes.spec_for(config) is its recipe)."""
-    from recipes.layers.pipe import SequentialReference
     ckpt, recipe, config, meta = open_checkpoint(ckpt_dir, tag)
-    model = SequentialReference(recipe.layer_specs(config, seed=0))
+    model = recipe.reference(recipe.layer_specs(config, seed=0))
     state = {}
     for piece in read_weight_pieces(ckpt, config):
         state.update(piece)
@@ -303,12 +301,11 @@ def recipe_of_hf_dir(hf_dir, *, where="--hf"):
 def load_hf_model(hf_dir):
     """(recipe spec, recipe config, SequentialReference) from a transformers-format
     directory, the recipe found by its model_type."""
-    from recipes.layers.pipe import SequentialReference
     recipe = recipe_of_hf_dir(hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
         fields = recipe.hf.from_hf_config(json.load(f))
     config = recipe.config_from_fields(fields, where=f"{hf_dir}/config.json")
     check_hf_dir(hf_dir, config, where="--hf")
-    model = SequentialReference(recipe.layer_specs(config, seed=0))
+    model = recipe.reference(recipe.layer_specs(config, seed=0))
     load_hf_into_module(model, hf_dir, config)
     return recipe, config, model.eval()

@@ -87,24 +87,21 @@ def validate(args, *, world_size):
     """Everything that can be checked before a process group exists: config, recipe,
     stages vs layers, partitioning, tokenizer vs vocabulary, data path, resume.
     Writes nothing; returns the RunPlan."""
-    from recipes import get_recipe
-    from recipes.layers.pipe import check_checkpointing, layer_warnings
     from .data import load_tokenizer, resolve_source
     from .pipe import data_stages
+    from .planner.model import partition_method, resolve_model
     from .topology.setup import check as check_topology
     cfg = load_config(args.config, world_size=world_size, overrides=_config_overrides(args))
     s = cfg.section
-    recipe = get_recipe(s.recipe.name)
-    model_config = recipe.make_config(s.recipe.preset, s.recipe.overrides)
-    recipe.check_stages(model_config, stages=cfg.layout.pipe_stages, schedule=s.schedule)
+    recipe, model_config = resolve_model(cfg)
     has_moe = model_config.num_moe_layers() > 0
     _check_experts(s, model_config, has_moe=has_moe)
     overlap = s.resolve_overlap(has_moe=has_moe)
     specs = recipe.layer_specs(model_config, seed=0)
-    check_partition(_partition_method(cfg.ds, recipe), specs, model_config, recipe)
+    check_partition(partition_method(cfg.ds, recipe), specs, model_config, recipe)
     interval = cfg.ds.get("pipeline", {}).get("activation_checkpoint_interval", 0)
-    check_checkpointing(recipe, specs, interval=interval)
-    cfg.warnings += layer_warnings(recipe, specs, schedule=s.schedule, checkpoint_interval=interval)
+    recipe.check_checkpointing(specs, interval=interval)
+    cfg.warnings += recipe.layer_warnings(specs, schedule=s.schedule, checkpoint_interval=interval)
     recipe_options = recipe.train_options(s)
     partition = partition_for(cfg, recipe, model_config)
     check_topology(s.topology, model_config=model_config)
@@ -215,20 +212,16 @@ def check_partition(method, specs, model_config, recipe=None):
         raise ConfigError(f"pipeline.partition {method!r} matches no layer of the recipe (layers: {names})")
 
 
-def _partition_method(ds, recipe):
-    method = ds.get("pipeline", {}).get("partition", "best")
-    return recipe.default_partition if method == "best" else method
-
-
 def partition_for(cfg, recipe, model_config):
     """What the layers are cut by: a DeepSpeed partition method, or for "balanced" the
-    boundaries ds_ext.profile.plan cuts from its per-layer costs on this run's layout
-    (nodes of LOCAL_WORLD_SIZE ranks; ds_ext.profile.plan.cut_hardware's figures),
+    boundaries ds_ext.planner cuts from its per-layer costs on this run's layout
+    (nodes of LOCAL_WORLD_SIZE ranks; ds_ext.planner.cut_hardware's figures),
     the same on every rank. ``validate`` computes it once into the run plan."""
-    method = _partition_method(cfg.ds, recipe)
+    from .planner.model import partition_method
+    method = partition_method(cfg.ds, recipe)
     if method != "balanced":
         return method
-    from .profile.plan import cut_hardware, make_plan
+    from .planner import cut_hardware, make_plan
     world = cfg.layout.world_size
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if per_node < 1 or world % per_node:
@@ -239,8 +232,8 @@ def partition_for(cfg, recipe, model_config):
 
 def cut_layers(cfg, specs, partition):
     """The LayerCut of ``specs`` by ``partition`` (partition_for's answer) on cfg's layout."""
-    from recipes.layers.pipe import partition as bounds_of, rank_layers
     from .pipe import virtual_stages
+    from .pipe.partition import partition as bounds_of, rank_layers
     s, lay = cfg.section, cfg.layout
     bounds = bounds_of(specs, num_parts=virtual_stages(s.schedule, lay.pipe_stages), method=partition)
     return LayerCut(specs=specs, partition=partition, bounds=bounds,
@@ -253,7 +246,7 @@ def layer_cut(cfg, recipe, model_config):
 
 
 def _largest_stage_params(layers):
-    from recipes.layers.pipe import count_parameters
+    from .pipe.partition import count_parameters
     counts = [count_parameters(spec) for spec in layers.specs]
     return max(sum(counts[i] for i in held) for held in layers.stage_layers)
 

@@ -3,11 +3,8 @@ expert load, the compressed reduction), a row of the run report (metrics.csv and
 DeepSpeed's monitor), and the figures the run summary keeps."""
 
 from .errors import SeekspeedError
+from .log import rank0_log
 from .progress import Progress
-
-
-def _rank0_log(rank):
-    return (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
 
 
 class StepMetrics:
@@ -26,18 +23,19 @@ class StepMetrics:
                                  log_interval=s.train.log_interval, enabled=rank == 0)
         self.moe_stats, self.loss_parts, self.comm_steps, self.layer_losses = None, [], [], None
 
-    def step(self, step, *, loss, step_s, moe_update=None):
-        """After optimizer step ``step``: ``moe_update`` is moe_step_update's (loads,
-        balance), None without MoE layers. Collective on log steps with MoE."""
+    def step(self, step, *, loss, step_s, figures=()):
+        """After optimizer step ``step``: ``figures`` are the recipe's step hooks'
+        (recipes.spec.StepFigures: in-layer losses, expert loads). Collective on log
+        steps with in-layer losses or expert loads."""
         engine, log_step = self.engine, self.progress.is_log_step(step)
+        mine, moe_update = _merge(figures, with_losses=bool(self.recipe.layer_losses))
         extra = []
         parts = engine.agg_additional_losses
         if parts and log_step:
             extra.append(" | ".join(f"{name} {float(value):.4f}" for name, value in parts.items()))
-        mine = self.recipe.take_layer_losses(engine.module) if self.recipe.layer_losses else None
         if mine is not None and log_step:
             self.layer_losses = _layer_losses(self.control, mine if self.dp_rank == 0 else None,
-                                              pair=getattr(engine, "_pair_group", None) is not None)
+                                              pair=engine.replica_groups()[1] is not None)
             extra.append(" | ".join(f"{name} {value:.4f}" for name, value in self.layer_losses.items()))
         if moe_update is not None and log_step:
             loads, balance = moe_update if self.dp_rank == 0 else (None, None)
@@ -131,7 +129,7 @@ def _open_report(plan, engine, control, *, window, start, rank):
     try:
         report = RunReport(directory, rank=rank, start_step=start, extra_columns=extra,
                            monitor=getattr(engine, "monitor", None), window=window, plots=s.report.plots,
-                           log=_rank0_log(rank))
+                           log=rank0_log(rank))
     except OSError as exc:
         error = SeekspeedError(f"report directory {directory}: {exc.strerror or exc}; choose a writable "
                                f"seekspeed.report.dir or --report-dir")
@@ -141,6 +139,18 @@ def _open_report(plan, engine, control, *, window, start, rank):
         print(f"report: {directory} (metrics.csv{', plots' if s.report.plots else ''}"
               f"{f', profile of steps {profile}' if profile else ''})", flush=True)
     return report
+
+
+def _merge(figures, *, with_losses):
+    """(this rank's in-layer losses or None when the recipe reports none, (expert loads,
+    balance loss) or None without MoE figures) from the step hooks' StepFigures."""
+    losses, moe_update = ({} if with_losses else None), None
+    for f in figures:
+        if f.losses is not None and losses is not None:
+            losses.update(f.losses)
+        if f.expert_loads is not None:
+            moe_update = (f.expert_loads, f.balance_loss)
+    return losses, moe_update
 
 
 def _moe_stats(control, loads, balance):

@@ -6,6 +6,7 @@ import os
 import time
 
 from .errors import SeekspeedError
+from .log import rank0_log
 
 
 class StepTrace:
@@ -74,4 +75,4 @@ def _profile_window(plan, *, start, rank):
     if last <= start and rank == 0:
         print(f"profile: window {text} lies before the resumed step {start}; nothing is profiled", flush=True)
     return ProfileWindow(first, last, out_dir=os.path.join(plan.report_dir, "profile"), rank=rank,
-                         log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+                         log=rank0_log(rank))

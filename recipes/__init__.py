@@ -39,3 +39,17 @@ def spec_for(config):
             return spec
     raise ConfigError(f"{type(config).__name__} is no registered recipe's config class: register the recipe in "
                       f"recipes/__init__.py")
+
+
+def recipe_section_classes():
+    """{section name: class} of the config sections the registered recipes declare
+    (RecipeSpec.sections); the config loader parses the seekspeed section's recipe
+    sections with them."""
+    out = {}
+    for name in RECIPES:
+        for section, cls in get_recipe(name).sections.items():
+            if out.setdefault(section, cls) is not cls:
+                raise ConfigError(f"recipes {sorted(n for n in RECIPES if section in get_recipe(n).sections)} "
+                                  f"declare config section {section!r} with different classes: give them one class "
+                                  f"or different names")
+    return out

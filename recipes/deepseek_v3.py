@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
-from recipes.layers import checks, costs
+from recipes.layers import checks, costs, moe, pipe
 from recipes.layers.latent_kv import MLADecoder
 from recipes.layers.pipe import CausalLMLoss, DecoderLayerPipe, MTPLayerPipe, decoder_stack_specs
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
@@ -173,9 +173,12 @@ SPEC = RecipeSpec(
                          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                          "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace")),
     decoder=MLADecoder,
+    build_options=pipe.build_options,
+    routed_experts=moe.routed_experts,
+    hooks=(moe.balancing_hook(),),
 )
 
 
 if __name__ == "__main__":
-    from recipes.layers.pipe import print_stage_parameters
+    from recipes.layers.counts import print_stage_parameters
     print_stage_parameters(SPEC, default_preset="deepseek-v3")

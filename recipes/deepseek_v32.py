@@ -17,10 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
-from recipes.layers import checks, costs, dsa, pipe
+from recipes.layers import checks, costs, dsa, moe, pipe
 from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
 from recipes.layers.pipe import CausalLMLoss, decoder_stack_specs
-from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
+from recipes.spec import PlannerCosts, RecipeSpec, StepFigures, StepHook, TransformersAdapter
 
 
 @dataclass(kw_only=True)
@@ -166,20 +166,51 @@ def loss_fn(config, *, mtp_loss_weight):
     return CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0)
 
 
+@dataclass(kw_only=True)
+class DsaSection:
+    """``seekspeed.dsa``: DeepSeek Sparse Attention training, as the DeepSeek-V3.2
+    report trains it. Unset fields take the recipe's defaults."""
+    # "warmup": dense attention, only the indexer learns (KL to the main attention over all keys);
+    # "sparse": attention over the indexer's top-k keys, the indexer learns from the KL over them
+    stage: str | None = None
+    # weight of the indexer's KL loss (it trains only the indexer: its input is detached)
+    indexer_loss_weight: float | None = None
+
+    def check(self, where):
+        if self.stage is not None and self.stage not in DSA_STAGES:
+            raise ConfigError(f"{where}.stage {self.stage!r} is not one of {list(DSA_STAGES)}")
+        if self.indexer_loss_weight is not None and not self.indexer_loss_weight > 0:
+            raise ConfigError(f"{where}.indexer_loss_weight must be > 0 (the indexer learns only from it), got "
+                              f"{self.indexer_loss_weight}")
+
+    def is_set(self):
+        return self.stage is not None or self.indexer_loss_weight is not None
+
+
 def train_options(section):
     """seekspeed.dsa: the stage ("sparse" unless set) and the indexer's KL weight (1.0)."""
-    stage = section.dsa.stage or "sparse"
+    dsa_section = section.recipe_section("dsa", DsaSection)
+    stage = dsa_section.stage or "sparse"
     if stage == "warmup" and section.moe.bias_update_speed > 0:
         raise ConfigError(f"seekspeed.dsa.stage 'warmup' trains only the indexers, and seekspeed.moe.bias_update_speed "
                           f"{section.moe.bias_update_speed} would still move the frozen routers' biases: set it to 0 "
                           f"for the warm-up")
-    weight = section.dsa.indexer_loss_weight
+    weight = dsa_section.indexer_loss_weight
     return {"dsa_stage": stage, "indexer_kl_weight": 1.0 if weight is None else weight}
 
 
-def take_layer_losses(module):
-    value = dsa.take_indexer_loss(module)
-    return {} if value is None else {"indexer": value}
+def _indexer_setup(engine, *, section, grad_accum):
+    dsa.configure_indexer(engine.module, grad_scale=1.0 / grad_accum)
+
+
+def _indexer_after_step(engine, *, section):
+    value = dsa.take_indexer_loss(engine.module)
+    return StepFigures(losses={} if value is None else {"indexer": value})
+
+
+# the lightning indexer's KL loss, computed inside the layers and reported as loss_indexer
+INDEXER_LOSS = StepHook(name="indexer loss", setup=_indexer_setup, after_step=_indexer_after_step,
+                        losses=("indexer",))
 
 
 def config_from_hf(fields):
@@ -193,7 +224,7 @@ def config_from_hf(fields):
     return out
 
 
-# ---- planner figures (ds_ext/profile/plan.py asks the recipe spec for these) ---------
+# ---- planner figures (ds_ext/planner/ asks the recipe spec for these) ---------
 
 def mean_selected_keys(config, *, seq_len):
     """Keys a query attends to, averaged over positions t in [0, seq_len] (the
@@ -272,14 +303,14 @@ SPEC = RecipeSpec(
                          "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "first_k_dense_replace",
                          "index_topk", "index_n_heads", "index_head_dim")),
     decoder=DSADecoder,
-    sections=("dsa",),
+    sections={"dsa": DsaSection},
     options=train_options,
-    layer_losses=("indexer",),
-    take_layer_losses=take_layer_losses,
-    configure_layer_losses=lambda module, *, grad_scale: dsa.configure_indexer(module, grad_scale=grad_scale),
+    build_options=pipe.build_options,
+    routed_experts=moe.routed_experts,
+    hooks=(moe.balancing_hook(), INDEXER_LOSS),
 )
 
 
 if __name__ == "__main__":
-    from recipes.layers.pipe import print_stage_parameters
+    from recipes.layers.counts import print_stage_parameters
     print_stage_parameters(SPEC, default_preset="deepseek-v3.2")

@@ -15,20 +15,31 @@ A spec holds:
 - ``default_partition`` (what ``pipeline.partition: "best"`` means) and
   ``checkpointable_layers`` (the layer class names DeepSpeed's activation checkpointing
   wraps; it matches names exactly, so a renamed class must be listed);
-- ``planner``: the kind of each layer and what each kind costs (ds_ext/profile/plan.py);
+- ``planner``: the kind of each layer and what each kind costs (ds_ext/planner/);
 - ``hf``: the transformers counterpart (class, config both ways, the fields that
   identify a model); layer classes name their transformers prefix (``hf_prefix``), so
   the tensor-name mapping follows the layer list (recipes/layers/hf.py);
 - ``decoder``: what generation runs (a latent-KV decoder over the whole model);
-- ``options``: recipe-specific training settings read from the seekspeed section
-  (``sections`` names the ones it reads; setting one for a recipe that does not read
-  it is an error);
-- ``layer_losses``: the names of losses computed inside layers (they train through an
-  identity's backward, as the MoE balance loss does) and ``take_layer_losses(module)``,
-  this rank's values since the last call ({name: mean over micro-batches, summed over
-  the rank's layers}); the trainer reports them apart (the progress line, metrics.csv's
-  ``loss_<name>``, the summary); ``configure_layer_losses(module, *, grad_scale)`` gives
-  them the engine's loss scaling of one micro-batch (1 / gradient accumulation).
+- ``sections`` and ``options``: the recipe's own config sections ({name: section class},
+  parsed from the seekspeed section by the loader, which learns them from the registry)
+  and ``options(section)``, the training settings read from them (``train_options``:
+  setting a section the recipe does not read is an error; they also go to
+  ``layer_specs`` and the planner's costs); ``build_options(section)``: arguments of the
+  recipe's ``build_pipeline`` only (DeepSeek-V3's MTP loss weight and expert-parallel
+  degree), read from the seekspeed section;
+- ``routed_experts(module)``: the routed experts inside a built layer or model, one
+  ``RoutedExperts`` per MoE block (the planner's expert parameters, resharding's expert
+  names, ``activated_parameters``); DeepSpeed's own ``is_moe_param`` tag marks the same
+  parameters for its expert groups and ZeRO partitions;
+- ``hooks``: the per-step mechanisms of the recipe's layers (``StepHook``): a set-up once
+  the engine exists, a call after each optimizer step that reports ``StepFigures``
+  (in-layer losses, expert loads), for example the MoE routers' bias balancing and
+  DeepSeek-V3.2's indexer loss; in-layer losses train through an identity's backward
+  and the trainer reports them apart (the progress line, metrics.csv's
+  ``loss_<name>``, the summary);
+- ``reference(specs, loss_fn)``, ``hf_layout(config)``: the single-process model of a
+  layer list (recipes/layers/reference.py) and the transformers tensor-name mapping
+  (recipes/layers/hf.py) for tools that check or convert a model.
 
 The planner and the trainer also read these config fields, which every recipe's config
 has (DeepSeek-V3's names): hidden_size, vocab_size, num_hidden_layers,
@@ -41,25 +52,28 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
+from recipes.step import NotCostable, RoutedExperts, StepFigures, StepHook  # noqa: F401 (the spec's API)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlannerCosts:
-    """What ds_ext/profile/plan.py needs per layer. ``layer_kind(spec, config)`` names a
+    """What ds_ext/planner/ needs per layer. ``layer_kind(spec, config)`` names a
     layer spec's kind ("embed", "dense", "moe", "mtp-dense", "mtp-moe", "norm", "head",
     or a recipe's own: a kind ending in "moe" has routed experts) or raises
     ``NotCostable``; ``activation_bytes(config, kind, *, seq_len, act_bytes,
     fused_attention, **options)`` is what autograd keeps per token; ``attention_flops(config,
     kind, *, seq_len, **options)`` the forward FLOPs per token that are not weight matmuls
     (attention's scores and weighted sums, an indexer's scores), 0 for layers without
-    attention. ``options`` are the run's RecipeSpec.train_options (a DSA stage, say)."""
+    attention. ``options`` are the run's RecipeSpec.train_options (a DSA stage, say).
+    The planner treats kinds by their role: ``lookup_kinds`` gather rows of a table
+    (the embedding), ``logits_kinds`` write the vocabulary's logits (the head),
+    ``moe_kinds`` hold routed experts (their all-to-all is costed)."""
     layer_kind: Callable
     activation_bytes: Callable
     attention_flops: Callable
-
-
-class NotCostable(ValueError):
-    """A layer class the recipe's planner costs do not know."""
+    lookup_kinds: tuple = ("embed",)
+    logits_kinds: tuple = ("head",)
+    moe_kinds: tuple = ("moe", "mtp-moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,12 +110,52 @@ class RecipeSpec:
     planner: PlannerCosts
     hf: TransformersAdapter | None = None
     decoder: Callable | None = None
-    sections: tuple = ()
+    sections: Mapping = field(default_factory=dict)
     options: Callable = field(default=lambda section: {})
-    layer_losses: tuple = ()
-    take_layer_losses: Callable = field(default=lambda module: {})
-    configure_layer_losses: Callable = field(default=lambda module, *, grad_scale: None)
+    build_options: Callable = field(default=lambda section: {})
+    routed_experts: Callable = field(default=lambda module: [])
+    hooks: tuple = ()
     build: Callable | None = None
+
+    @property
+    def layer_losses(self):
+        """The names of the in-layer losses the recipe's hooks report."""
+        return tuple(name for hook in self.hooks for name in hook.losses)
+
+    def active_hooks(self, config):
+        """The hooks that apply to a model of ``config``."""
+        return [hook for hook in self.hooks if hook.applies(config)]
+
+    def expert_parameter_ids(self, module):
+        """ids of the routed-expert parameters in ``module`` (the spec's predicate)."""
+        return {id(p) for group in self.routed_experts(module) for p in group.parameters}
+
+    def activated_parameters(self, specs):
+        """Parameters one token passes through (recipes/layers/counts.py)."""
+        from recipes.layers.counts import activated_parameters
+        return activated_parameters(specs, routed_experts=self.routed_experts)
+
+    def check_checkpointing(self, specs, *, interval):
+        from recipes.layers.pipe import check_checkpointing
+        check_checkpointing(self, specs, interval=interval)
+
+    def layer_warnings(self, specs, *, schedule, checkpoint_interval):
+        from recipes.layers.pipe import layer_warnings
+        return layer_warnings(self, specs, schedule=schedule, checkpoint_interval=checkpoint_interval)
+
+    def reference(self, specs, loss_fn=None):
+        """All layers of ``specs`` in one process (recipes/layers/reference.py)."""
+        from recipes.layers.reference import SequentialReference
+        return SequentialReference(specs, loss_fn)
+
+    def hf_layout(self, config):
+        """The transformers tensor-name mapping of ``config``'s model (recipes/layers/hf.py)."""
+        from recipes.layers.hf import HFLayout
+        return HFLayout.of(config)
+
+    def first_expert(self, module):
+        """Global index of the first routed expert ``module`` holds (0 without expert parallelism)."""
+        return next((g.ep_rank * g.num_local for g in self.routed_experts(module)), 0)
 
     def make_config(self, preset, overrides=None, *, where="seekspeed.recipe"):
         """A checked config from a named preset plus field overrides."""
@@ -121,7 +175,8 @@ class RecipeSpec:
         check_stages(config, stages=stages, schedule=schedule)
 
     def build_pipeline(self, config, **kwargs):
-        """The model as a DeepSpeed PipelineModule for ``schedule`` (recipes.layers.pipe.build_pipeline)."""
+        """The model as a DeepSpeed PipelineModule for ``schedule`` (recipes.layers.pipe.build_pipeline);
+        ``kwargs`` are build_pipeline's and the recipe's ``build_options``."""
         if self.build is not None:
             return self.build(config, **kwargs)
         from recipes.layers.pipe import build_pipeline

@@ -84,12 +84,11 @@ def load_model_state(engine, tag_dir):
     return _load(engine, model_file(tag_dir, stage=0))
 
 
-def _local_moe(module):
-    """(expert-parallel rank, routed experts per rank) of ``module``'s MoE layers, or (0, 0)."""
-    from recipes.layers.moe import DeepSeekMoE
-    for m in module.modules():
-        if isinstance(m, DeepSeekMoE):
-            return m.ep_rank, m.num_local_experts
+def _local_moe(module, routed_experts):
+    """(expert-parallel rank, routed experts per rank) of ``module``'s MoE layers, or (0,
+    0); ``routed_experts`` is the recipe's (RecipeSpec.routed_experts)."""
+    for group in routed_experts(module):
+        return group.ep_rank, group.num_local
     return 0, 0
 
 
@@ -188,15 +187,16 @@ def _saved_buffers(engine, tag_dir, *, stage, keys):
 
 
 @torch.no_grad()
-def load_into(engine, tag_dir, *, saved, log=print):
+def load_into(engine, tag_dir, *, saved, routed_experts, log=print):
     """Fill ``engine`` (built for this run's layout) with the state of checkpoint
-    ``tag_dir``, written with the layout record ``saved``. Returns the checkpoint's
-    model-file state dict (client state included)."""
+    ``tag_dir``, written with the layout record ``saved``; ``routed_experts`` finds the
+    recipe's experts in the engine's module (RecipeSpec.routed_experts). Returns the
+    checkpoint's model-file state dict (client state included)."""
     parts = _Partitions(engine, tag_dir)
     if saved.get("optimizer") not in PARTITIONED_OPTIMIZERS:
         raise ReshardError(f"{tag_dir} was written by {saved.get('optimizer')}, whose state is not cut by replicas; "
                            f"resume it on its own layout")
-    ep_rank, local = _local_moe(engine.module)
+    ep_rank, local = _local_moe(engine.module, routed_experts)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     mine = {n: to_global(n, ep_rank=ep_rank, local_experts=local) for n in names.values()}
     wanted = set(mine.values())

@@ -73,7 +73,18 @@ class _FrozenExperts:
     trains only the indexers) has no MoE parameter group for the optimizer, which
     DeepSpeed's ZeRO and BF16 optimizers assert on whenever the model has MoE layers.
     While they are built the engine says it has none; everything else (expert
-    checkpoint files, expert groups) still sees the MoE layers."""
+    checkpoint files, expert groups) still sees the MoE layers. The experts are those
+    DeepSpeed's assertion counts: parameters DeepSpeed's MoE layer tagged
+    (``is_moe_param``), whatever the recipe's classes.
+
+    Also says over which groups a stage's layers are replicated (``replica_groups``),
+    for the recipes' step hooks."""
+
+    def replica_groups(self):
+        """(the stage's data-parallel group, the rank pair holding dualpipe's two copies
+        of each stage or None): the ranks whose copies of this rank's layers must stay
+        alike (a router's bias update sums its loads over both)."""
+        return self.grid.get_data_parallel_group(), getattr(self, "_pair_group", None)
 
     def _frozen_experts(self):
         from deepspeed.moe.utils import is_moe_param

@@ -112,7 +112,7 @@ def bandwidth_matrix(section, *, world_size, log):
 def estimate_traffic(*, model_config, layout, ds, stage_params, ep, compute_tflops):
     """Bytes per optimizer step for the placement model, from the model and the batch."""
     bf16 = ds.get("bf16", {}).get("enabled", False)
-    from ds_ext.config import fp32_grad_accumulation
+    from ds_ext.precision import fp32_grad_accumulation
     fp32_grads = fp32_grad_accumulation(ds)
     act = 2 if bf16 else 4
     tokens = layout.micro_batch * layout.seq_len

@@ -1,10 +1,10 @@
-"""What the planner (ds_ext/profile/plan.py) needs to cost the layers of this
+"""What the planner (ds_ext/planner/) needs to cost the layers of this
 directory: each layer spec's kind, the bytes autograd keeps per token of each kind,
 and the FLOPs that are not weight matmuls (attention). A recipe's PlannerCosts
 (recipes/spec.py) points at these, or at its own where its layers differ.
 """
 
-from recipes.spec import NotCostable
+from recipes.step import NotCostable
 
 ATTENTION_KINDS = ("dense", "moe", "mtp-dense", "mtp-moe")
 

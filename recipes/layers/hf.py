@@ -89,6 +89,14 @@ class HFLayout:
         from recipes import spec_for
         return cls(spec_for(config).layer_specs(config, seed=0), config)
 
+    def hf_tensor(self, key):
+        """(transformers key, expert index or None) of a PipelineModule key."""
+        return pipeline_to_hf_key(key, self)
+
+    def state_dict_to_hf(self, state_dict):
+        """A PipelineModule state dict (or a piece of one) in transformers' names."""
+        return to_hf_state_dict(state_dict, self)
+
     def hf_key(self, key):
         for prefix, hf_prefix in self.to_hf.items():
             if key.startswith(prefix):

@@ -588,3 +588,43 @@ def take_balance_loss(module):
             seen = True
         router.balance_loss_sum, router.balance_loss_count = 0.0, 0
     return total if seen else None
+
+
+def routed_experts(module):
+    """The routed experts of ``module``'s MoE blocks (RecipeSpec.routed_experts)."""
+    from recipes.step import RoutedExperts
+    return [RoutedExperts(parameters=tuple(m.experts.parameters()), top_k=m.gate.top_k,
+                          num_experts=m.gate.num_experts, ep_rank=m.ep_rank, num_local=m.num_local_experts)
+            for m in module.modules() if isinstance(m, DeepSeekMoE)]
+
+
+def step_update(engine, *, speed):
+    """After an optimizer step: the routers' bias update (loads summed over the stage's
+    replicas) and this rank's balance loss. Under dualpipe each stage's two copies (a
+    rank pair) see half the micro-batches each: their loads are summed too, so both
+    copies' biases move alike, and each layer's balance loss is the mean of its copies'."""
+    data, pair = engine.replica_groups()
+    loads = update_expert_biases(engine.module, speed=speed, group=[data, pair])
+    balance = take_balance_loss(engine.module)
+    if pair is not None and balance is not None:
+        balance /= 2
+    return loads, balance
+
+
+def _balancing_setup(engine, *, section, grad_accum):
+    configure_balancing(engine.module, alpha=section.moe.balance_loss_alpha, grad_scale=1.0 / grad_accum)
+
+
+def _balancing_after_step(engine, *, section):
+    from recipes.step import StepFigures
+    loads, balance = step_update(engine, speed=section.moe.bias_update_speed)
+    return StepFigures(expert_loads=loads, balance_loss=balance)
+
+
+def balancing_hook():
+    """DeepSeek-V3's auxiliary-loss-free balancing as a step hook: the routers' bias
+    update after each step (``seekspeed.moe.bias_update_speed``) and the sequence-wise
+    balance loss (``balance_loss_alpha``), for models with MoE layers."""
+    from recipes.step import StepHook
+    return StepHook(name="moe balancing", applies=lambda config: config.num_moe_layers() > 0,
+                    setup=_balancing_setup, after_step=_balancing_after_step)
