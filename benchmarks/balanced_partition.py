@@ -7,7 +7,7 @@ measured here) is the bottleneck, and under dualpipev rank 0 holds both the embe
 and the head. Two ranks by default: each has a core of its own on a 2-core machine;
 with more ranks than cores the ranks' compute shares the cores, and the step measures
 the total work rather than the busiest rank.
-"balanced" cuts from the planner's per-layer costs (ds_ext/profile/plan.py), given
+"balanced" cuts from the planner's per-layer costs (ds_ext/planner/), given
 this machine's figures as seekspeed.topology.compute_tflops and memory_gbps: one
 rank's matmul throughput on the recipe's shapes and its elementwise bandwidth,
 measured first on one thread (the ranks run one thread each). Each
@@ -72,7 +72,7 @@ def make_config(directory, *, partition, schedule, stages, figures):
 
 
 def planned(path, ranks):
-    from ds_ext.profile.plan import cut_hardware, make_plan
+    from ds_ext.planner import cut_hardware, make_plan
     from ds_ext.config import load_config
     cfg = load_config(path, world_size=ranks)
     plan = make_plan(cfg, nodes=1, ranks_per_node=ranks, hardware=cut_hardware(cfg.section.topology, ranks))

@@ -1,4 +1,4 @@
-"""The collective model (ds_ext/profile/collectives.py) against what was measured:
+"""The collective model (ds_ext/planner/collectives.py) against what was measured:
 
 1. published nccl-tests all-reduce bus bandwidths (multi-node, 8 GPUs and 8 NICs per
    node, and single-node NVLink) and DeepEP's dispatch/combine bandwidths on H800
@@ -29,14 +29,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ds_ext.profile import collectives as cc
+from ds_ext.planner import collectives as cc
 
 GIB = 2**30
 
 
 def _fabric(*, nic_gbps, nvlink_gbps, nics=8):
     """An 8-GPU node with the Hardware defaults' efficiencies and latencies."""
-    from ds_ext.profile.plan import Hardware
+    from ds_ext.planner import Hardware
     hw = Hardware(gpus_per_node=8, nics_per_node=nics, inter_gbps=nic_gbps, intra_gbps=nvlink_gbps)
     return hw.fabric()
 

@@ -166,7 +166,7 @@ def _dense_mb(args):
     """What DeepSpeed's dense fp32 reduction sends per rank per step: a ring all-reduce
     of every parameter's gradient, 2 (W-1)/W x 4 bytes each (one stage: all of them)."""
     from recipes import deepseek_v3
-    from recipes.layers.pipe import count_parameters
+    from ds_ext.pipe.partition import count_parameters
     with open(os.path.join(ROOT, args.config)) as f:
         recipe = json.load(f)["seekspeed"]["recipe"]
     config = deepseek_v3.make_config(recipe.get("preset", "tiny"), recipe.get("overrides"))

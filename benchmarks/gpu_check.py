@@ -9,7 +9,7 @@ about 8 minutes; each part has its own time limit):
 2 v2-lite    the deepseek-v2-lite preset cut to 2 decoder layers (the preset's
              first_k_dense_replace 1: layer 0 dense, layer 1 MoE with 64 routed and 2
              shared experts), seq 512, micro-batch 1 x 2 accumulation, bf16, same path.
-3 planner    ds_ext/profile/plan.py's memory for that run (1 node x 1 GPU, StageMemory)
+3 planner    ds_ext/planner/'s memory for that run (1 node x 1 GPU, StageMemory)
              against torch.cuda.max_memory_allocated() after it.
 4 checkpoint the async-zstd engine's blocking time (the snapshot into host buffers, pinned
              when the tensors are on CUDA, reused from the second save on) against
@@ -214,7 +214,7 @@ def part_decode():
     from recipes import deepseek_v3
     from recipes.layers.hf import copy_into_transformers
     from recipes.layers.latent_kv import LatentKVCache, MLADecoder
-    from recipes.layers.pipe import SequentialReference
+    from recipes.layers.reference import SequentialReference
     torch.backends.cuda.matmul.allow_tf32 = False          # fp32 both sides, no TF32 rounding
     torch.manual_seed(0)
     preset, overrides = SHAPES["v2-lite-layers"]
@@ -319,7 +319,7 @@ def spawn(part, *, workdir, limit):
 def planner_figures(config_path, measured):
     """The planner's StageMemory for ``config_path`` on 1 node x 1 GPU, and its ratio to
     ``measured`` bytes (None: no run to compare)."""
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     plan = make_plan(config_path, nodes=1, ranks_per_node=1)
     stage = plan.stages[0].to_json()
     stage["activations_counted"] = stage["activations_checkpointed"] if stage["checkpointing"] else stage["activations"]

@@ -23,7 +23,7 @@ from benchmarks import machine_line, write_figures
 from recipes import deepseek_v3
 from recipes.layers.hf import copy_into_transformers
 from recipes.layers.latent_kv import LatentKVCache, MLADecoder, full_kv_bytes_per_token
-from recipes.layers.pipe import SequentialReference
+from recipes.layers.reference import SequentialReference
 
 SHAPES = {
     "tiny-moe": ("tiny-moe", {}),

@@ -47,7 +47,9 @@ def calibrate_flops(config_path, *, repeats=5):
     from ds_ext.config import load_config
     from recipes.layers.costs import full_attention_flops
     from recipes import get_recipe
-    from recipes.layers.pipe import CausalLMLoss, SequentialReference, activated_parameters
+    from recipes.layers.pipe import CausalLMLoss
+    from recipes.layers.reference import SequentialReference
+    from recipes.layers.counts import activated_parameters
     torch.set_num_threads(1)
     cfg = load_config(config_path, world_size=2)
     s, lay = cfg.section, cfg.layout
@@ -116,7 +118,7 @@ def main(argv=None):
     p.add_argument("--schedules", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from ds_ext.profile.plan import Hardware, make_plan
+    from ds_ext.planner import Hardware, make_plan
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         first = _config(args.schedules[0], workdir)

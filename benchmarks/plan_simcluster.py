@@ -1,4 +1,4 @@
-"""The planner's predicted step (ds_ext/profile/plan.py) against measured runs on a
+"""The planner's predicted step (ds_ext/planner/) against measured runs on a
 simulated cluster: 2 nodes x 2 ranks (launch/simcluster.py), pipeline 2 stages x
 data-parallel 2, ranks laid out as benchmarks/grad_overlap.py lays them (ProcessTopology
 axes data, pipe: each node one whole pipeline, every data-parallel group across the
@@ -168,7 +168,7 @@ def measure_links(rate):
 
 
 def hardware(flops, links):
-    from ds_ext.profile.plan import Hardware
+    from ds_ext.planner import Hardware
     return Hardware(name="simcluster", peak_tflops=flops / 1e12, efficiency=1.0, hbm_gbps=1e6, memory_gb=24.0,
                     reserve_gb=0.0, gpus_per_node=2, nics_per_node=1, inter_gbps=links["link_bps"] / 1e9,
                     nic_efficiency=1.0, intra_gbps=links["loop_bps"] / 1e9, nvlink_efficiency=1.0,
@@ -185,7 +185,7 @@ def main():
     if os.geteuid() != 0:
         sys.exit("the simulated cluster needs root (ip netns, tc)")
     from benchmarks.plan_accuracy import calibrate_flops
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     rows = []
     with tempfile.TemporaryDirectory(prefix="seekspeed-plansim-") as tmp:
         base = write_config(os.path.join(tmp, "base.json"), schedule="1f1b", overlap=False, args=args)

@@ -218,7 +218,7 @@ def main(argv=None):
     torch.set_num_threads(1)        # as a training rank here; torch's idle thread pool costs ~10 ms to wake
     from ds_ext.config import DataSection
     from ds_ext.data import ByteTokenizer
-    from ds_ext.data.store import build
+    from ds_ext.data.build import build
     tmp = tempfile.mkdtemp(prefix="seekspeed-tiers-")
     try:
         corpus = os.path.join(tmp, "corpus.jsonl")

@@ -80,7 +80,8 @@ def _hf_worker(args):
     from ds_ext.progress import Progress, peak_rss_mib
     from recipes import deepseek_v3
     from recipes.layers.hf import copy_into_transformers
-    from recipes.layers.pipe import SequentialReference, causal_lm_loss
+    from recipes.layers.pipe import causal_lm_loss
+    from recipes.layers.reference import SequentialReference
 
     world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -28,7 +28,7 @@ from benchmarks import write_figures
 def _stage_gradient(config, *, nodes, per_node):
     """(label, numel, matrices) of the planner's largest stage (min_numel as the config's)."""
     from ds_ext.config import load_config
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     plan = make_plan(config, nodes=nodes, ranks_per_node=per_node)
     st = max(plan.stages, key=lambda s: s.params)
     min_numel = load_config(config, world_size=nodes * per_node).section.comm.min_numel

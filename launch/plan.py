@@ -7,7 +7,7 @@ model is built on the meta device).
     python launch/plan.py --deepspeed ds_configs/single_node.json --nodes 1 --gpus-per-node 8 --json plan.json
 
 Exits 2, with the numbers, when a rank does not fit GPU memory. The cost model is
-described in ds_ext/profile/plan.py, its collectives in ds_ext/profile/collectives.py;
+described in ds_ext/planner/, its collectives in ds_ext/planner/collectives.py;
 hardware defaults are DeepSeek-V3's H800 nodes: 8 GPUs on NVLink (200 GB/s one way
 each), 8 InfiniBand NICs of 400 Gb/s (override with --memory-gb, --peak-tflops,
 --efficiency, --intra-gbps, --nics-per-node, --nic-gbps).
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
-    from ds_ext.profile.plan import Hardware
+    from ds_ext.planner import Hardware
     hw = Hardware()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", "--deepspeed_config", dest="config", required=True, metavar="JSON")
@@ -124,7 +124,7 @@ def report(plan):
 
 def main(argv=None):
     from ds_ext.errors import SeekspeedError
-    from ds_ext.profile.plan import Hardware, check_fits, make_plan, nodes_from_hostfile
+    from ds_ext.planner import Hardware, check_fits, make_plan, nodes_from_hostfile
     args = parse_args(argv)
     try:
         filters = [f for f, v in (("--include", args.include), ("--exclude", args.exclude),
@@ -150,8 +150,8 @@ def main(argv=None):
                       efficiency=args.efficiency, gpus_per_node=per_node, nics_per_node=args.nics_per_node,
                       intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, fp8_tflops=args.fp8_tflops)
         if args.sweep:
-            from ds_ext.profile.sweep import report as sweep_report
-            from ds_ext.profile.sweep import sweep
+            from ds_ext.planner.sweep import report as sweep_report
+            from ds_ext.planner.sweep import sweep
             fitting, skipped = sweep(args.config, nodes=nodes, ranks_per_node=per_node, hardware=hw,
                                      log=lambda m: print(m, flush=True))
             print(sweep_report(fitting, skipped, top=args.top), flush=True)

@@ -57,7 +57,7 @@ class _FastPhaseSwitch:
 
 class _PresetCut(PipelineModule):
     """``partition_method="balanced"``: the boundaries ``partition_bounds`` (cut by
-    ds_ext.profile.plan from the planner's per-layer costs) become DeepSpeed's
+    ds_ext.planner from the planner's per-layer costs) become DeepSpeed's
     ``parts``; every other method is DeepSpeed's. Sits right above PipelineModule,
     so DualPipeVModule's doubling of the stages and its phase bounds still apply."""
 

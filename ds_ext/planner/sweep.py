@@ -32,7 +32,7 @@ class Candidate:
     micro_batch: int
     grad_accum: int
     checkpointing: bool
-    plan: object = None         # ds_ext.profile.plan.Plan, when it was planned
+    plan: object = None         # ds_ext.planner.Plan, when it was planned
 
     def describe(self):
         return (f"pp {self.pipe_stages} {self.schedule} ep {self.expert_parallel} mb {self.micro_batch} "
@@ -99,7 +99,7 @@ def _variant(ds, c):
 def sweep(config_path, *, nodes, ranks_per_node, hardware, log=print):
     """(ranked [Candidate] that fit, {reason: count} of those that did not)."""
     from ds_ext.config import read_json
-    from ds_ext.profile.plan import GB, make_plan
+    from ds_ext.planner import GB, make_plan
     from recipes import get_recipe
     ds = read_json(config_path)
     s = ds.get("seekspeed", {})

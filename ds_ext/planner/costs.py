@@ -1,0 +1,139 @@
+"""Per-layer costs in seconds per micro-batch, on one hardware: where the ranks sit
+(placement, as the trainer chooses it), the expert all-to-all over the links its group
+spans, each layer's forward, backward and W, and the point-to-point transfer between
+stages."""
+
+from dataclasses import dataclass
+
+from .hardware import GB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where pipeline stage s, data-parallel index d runs (ds_ext/topology/placement.py)."""
+    name: str
+    pp: int
+    dp: int
+    ranks_per_node: int
+
+    def node(self, stage, data):
+        from ds_ext.topology.placement import rank_of
+        return rank_of(self.name, stage=stage, data=data, pp=self.pp, dp=self.dp) // self.ranks_per_node
+
+
+def place(m, hw, *, ranks_per_node, bounds):
+    """The placement the trainer would choose for PlanModel ``m`` cut at ``bounds``:
+    seekspeed.topology.placement, or for "auto" the choice from the estimated traffic
+    (ds_ext/topology/setup.py) on ``hw``'s links."""
+    from ds_ext.topology.placement import choose
+    from ds_ext.topology.setup import estimate_traffic
+    s, lay, mc = m.section, m.layout, m.mc
+    pp, dp = lay.pipe_stages, lay.data_parallel
+    chunks = [m.rows[bounds[p]:bounds[p + 1]] for p in range(m.parts)]
+    rank_params = max(sum(r["params"] for p in m.sched.rank_chunks(rank=rank, stages=pp) for r in chunks[p])
+                      for rank in range(pp))        # what the trainer's placement choice is given
+    traffic = estimate_traffic(model_config=mc, layout=lay, ds=m.cfg.ds, stage_params=rank_params, ep=m.ep,
+                               compute_tflops=hw.flops / 1e12)
+    name = s.topology.placement
+    if name == "auto":
+        name = choose(pp=pp, dp=dp, ep=m.ep, moe=m.has_moe, traffic=traffic, ranks_per_node=ranks_per_node,
+                      intra_gbps=hw.intra_gbps, inter_gbps=hw.inter_gbps)[0].placement
+    return Placement(name=name, pp=pp, dp=dp, ranks_per_node=ranks_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertAllToAll:
+    """One MoE layer's dispatch + combine for one micro-batch and pass (``layer_bytes``
+    per rank, 0 without expert parallelism), at ``bandwidth`` bytes/s; ``cost``: one
+    dispatch as NCCL's all-to-all over the group's nodes (collectives.py); ``nodes``:
+    the node of each expert-parallel rank of stage 0."""
+    layer_bytes: float = 0.0
+    bandwidth: float = 1.0
+    cost: object = None
+    nodes: tuple = ()
+
+    @property
+    def dispatch_seconds(self):
+        return self.layer_bytes / 2 / self.bandwidth
+
+
+def expert_all_to_all(m, hw, placement):
+    """Every routed copy of a token sent to its expert's rank, self included."""
+    ep, mc = m.ep, m.mc
+    if not (ep > 1 and mc.num_moe_layers()):
+        return ExpertAllToAll(bandwidth=hw.fabric().nvlink(a2a=True))
+    from .collectives import all_to_all
+    nodes = tuple(placement.node(0, d) for d in range(ep))
+    sent = m.tokens * mc.num_experts_per_tok * mc.hidden_size * m.precision.act
+    cost = all_to_all(sent, nodes=len(set(nodes)), per_node=max(map(nodes.count, nodes)), fabric=hw.fabric())
+    layer_bytes = 2 * sent * (ep - 1) / ep
+    return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / 2 / cost.seconds, cost=cost, nodes=nodes)
+
+
+def a2a_costs(*, moe_layers, dispatch, shared_forward, recompute_passes):
+    """One chunk's all-to-all seconds per micro-batch, in flight and not covered by the
+    chunk's own compute. Each MoE layer's dispatch runs while its shared expert computes
+    (forward; the reverse dispatch while the shared expert's backward, twice the forward,
+    runs); its combine has nothing to run behind inside the layer. A recomputed forward
+    (activation checkpointing) repeats the forward's all-to-alls in the backward."""
+    one_f = dispatch + max(0.0, dispatch - shared_forward)
+    one_b = dispatch + max(0.0, dispatch - 2 * shared_forward)
+    return {"forward": moe_layers * 2 * dispatch, "forward_exposed": moe_layers * one_f,
+            "backward": moe_layers * 2 * dispatch * (1 + recompute_passes),
+            "backward_exposed": moe_layers * (one_b + recompute_passes * one_f)}
+
+
+def layer_cost(m, hw, row, *, dispatch, shared_forward):
+    """Seconds per micro-batch of one layer: compute at hw.flops (2 FLOPs per
+    activated parameter and token, the recipe's attention FLOPs), the memory-bound
+    passes at hw.hbm_gbps: the activations autograd keeps (the elementwise work:
+    norms, RoPE, SwiGLU, softmax) written by the forward, read and their gradients
+    written by the backward, a lookup layer's rows gathered and their fp32 gradients
+    scattered, the logits written and read by the fp32 log-softmax and their fp32
+    gradient; and the expert all-to-all no compute covers (a2a_costs)."""
+    tokens, h, a, recompute = m.tokens, m.mc.hidden_size, m.precision.act, m.recompute_passes
+    attention = m.recipe.planner.attention_flops(m.mc, row["kind"], seq_len=m.layout.seq_len, **m.options)
+    weights = 2 * tokens * row["active"]
+    kept = m.full_bytes(row) if row["checkpointable"] else 0.0
+    forward = weights / hw.gemm_flops + tokens * attention / hw.flops + kept / (hw.hbm_gbps * GB)
+    backward = (2 + recompute) * forward
+    if m.is_lookup(row):
+        forward += tokens * h * a / (hw.hbm_gbps * GB)
+        backward += tokens * h * 4 / (hw.hbm_gbps * GB)
+    elif m.is_logits(row):
+        logits = tokens * m.mc.vocab_size
+        forward += logits * (2 * a + 4) / (hw.hbm_gbps * GB)
+        backward += logits * (4 + a) / (hw.hbm_gbps * GB)
+    cost = a2a_costs(moe_layers=1 if m.is_moe(row) else 0, dispatch=dispatch, shared_forward=shared_forward,
+                     recompute_passes=recompute)
+    return {"compute_f": forward, "compute_b": backward, "a2a_f": cost["forward"], "a2a_b": cost["backward"],
+            "exposed_f": cost["forward_exposed"], "exposed_b": cost["backward_exposed"],
+            "W": weights / hw.gemm_flops if m.sched.zero_bubble else 0.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costed:
+    """A PlanModel costed on one hardware: the placement, the expert all-to-all, each
+    layer's costs and their total seconds (F + B + W per micro-batch), the
+    point-to-point transfer (bytes, seconds) between stages."""
+    placement: Placement
+    a2a: ExpertAllToAll
+    costs: list
+    seconds: list
+    p2p_bytes: float
+    p2p: float
+
+
+def cost_layers(m, hw, *, ranks_per_node, bounds):
+    """The Costed of PlanModel ``m`` on ``hw``, placed for the cut at ``bounds``."""
+    placement = place(m, hw, ranks_per_node=ranks_per_node, bounds=bounds)
+    a2a = expert_all_to_all(m, hw, placement)
+    mc, tokens = m.mc, m.tokens
+    shared_forward = 2 * tokens * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.n_shared_experts / hw.gemm_flops
+    costs = [layer_cost(m, hw, row, dispatch=a2a.dispatch_seconds, shared_forward=shared_forward) for row in m.rows]
+    seconds = [c["compute_f"] + c["exposed_f"] + c["compute_b"] + c["exposed_b"] + c["W"] for c in costs]
+    p2p_bytes = tokens * mc.hidden_size * m.precision.act * (2 if mc.num_mtp_layers else 1)
+    pp = m.layout.pipe_stages
+    pipe_cross = any(placement.node(st, 0) != placement.node(st + 1, 0) for st in range(pp - 1))
+    p2p = p2p_bytes / ((hw.inter_gbps if pipe_cross else hw.intra_gbps) * GB) + hw.latency_us * 1e-6
+    return Costed(placement=placement, a2a=a2a, costs=costs, seconds=seconds, p2p_bytes=p2p_bytes, p2p=p2p)

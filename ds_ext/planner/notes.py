@@ -1,0 +1,63 @@
+"""The plan's notes: one line each for what the numbers alone do not say (expert
+parallelism's share of the experts, the all-to-all charged and in flight, the
+compressor's warm-up, target and state, unbalanced stages)."""
+
+from .hardware import GB
+
+
+def expert_notes(m, hw, costed, *, flight, charged, overlap):
+    """Expert parallelism: the experts each rank holds and the all-to-all's figures."""
+    mc, ep, a2a = m.mc, m.ep, costed.a2a
+    notes = []
+    if ep > 1:
+        notes.append(f"per-rank counts hold {mc.n_routed_experts // ep} of {mc.n_routed_experts} routed experts "
+                     f"per MoE layer (expert parallel {ep})")
+    if not a2a.layer_bytes:
+        return notes
+    how = ("and each F&B chunk's behind the other half's compute (overlap layer)" if overlap == "layer" else
+           "(overlap none: F&B chunks run their halves one after the other)")
+    notes.append(f"expert all-to-all: {flight * 1e3:,.1f} ms per step in flight on the busiest rank, "
+                 f"{charged * 1e3:,.1f} ms charged (the wait column): the dispatch hidden behind the shared expert "
+                 f"{how}")
+    ep_node_count = len(set(a2a.nodes))
+    if ep_node_count > 1:
+        from .collectives import moe_dispatch
+        limited = mc.topk_group if mc.n_group == ep_node_count and mc.topk_group < mc.n_group else None
+        deepep, _ = moe_dispatch(tokens=m.tokens, token_bytes=mc.hidden_size * m.precision.act, nodes=ep_node_count,
+                                 per_node=max(map(a2a.nodes.count, a2a.nodes)), fabric=hw.fabric(),
+                                 num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
+                                 top_groups=limited, forwarding=True)
+        notes.append(f"one dispatch {a2a.cost.seconds * 1e3:,.2f} ms as ds_ext/comm/alltoall.py sends it (every "
+                     f"routed copy to its rank over {ep_node_count} nodes); forwarded as DeepEP does (a token "
+                     f"across once per node" + (f", at most {limited} nodes" if limited else "")
+                     + f"; not built here) it would take {deepep.seconds * 1e3:,.2f} ms")
+    return notes
+
+
+def comm_notes(m, stages, reductions):
+    """The compressor's dense warm-up, the momentum target, and the state it keeps."""
+    comm = m.section.comm
+    if comm.compressor == "none":
+        return []
+    notes = []
+    dense_s = max(g["seconds"] for g in reductions)
+    if comm.warmup_steps:
+        notes.append(f"the first {comm.warmup_steps} optimizer steps reduce dense (gradient reduction "
+                     f"{dense_s * 1e3:,.1f} ms a step, the dense columns); the step time and the compressed "
+                     f"columns are the steps after them, what a long run sees")
+    if comm.target == "momentum":
+        notes.append(f"target momentum: after the dense warm-up Adam's second moment is frozen and each rank sends "
+                     f"its local momentum through {comm.compressor}, the same bytes per step as the gradient; "
+                     f"it keeps a full fp32 local momentum of its stage (also under ZeRO 1) and the residuals")
+    heavy = max(stages, key=lambda st: st.comm_state)
+    if heavy.comm_state:
+        notes.append(f"comm state (what the compressed reduction keeps per rank between steps, in the totals): "
+                     f"rank {heavy.rank} "
+                     + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in heavy.comm_state_parts.items()))
+    return notes
+
+
+def balance_notes(busy):
+    if max(busy) > 1.15 * min(busy):
+        return ["stages are unbalanced: busy " + ", ".join(f"{b * 1e3:.0f}" for b in busy) + " ms per rank"]
+    return []
