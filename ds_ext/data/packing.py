@@ -67,9 +67,11 @@ def _balanced_range(ds, field, *, shard, num_shards):
 class PackedBatches:
     """Endless micro-batches ``(input_ids, labels)`` over packed rows, reshuffled each
     epoch by a seeded permutation. ``position`` counts micro-batches served, so a
-    resumed run can continue at the same sample (``start``)."""
+    resumed run can continue at the same sample (``start``, or ``seek``). The rows are
+    this replica's cut of ``num_shards`` (data-parallel replicas, each as many rows a
+    step)."""
 
-    def __init__(self, sequences, *, micro_batch, seed, start=0):
+    def __init__(self, sequences, *, micro_batch, seed, start=0, num_shards=1):
         if len(sequences) < micro_batch:
             raise DataError(f"only {len(sequences)} packed sequences on this data-parallel shard, fewer than "
                             f"train_micro_batch_size_per_gpu {micro_batch}: add data or lower the micro-batch")
@@ -78,7 +80,17 @@ class PackedBatches:
         self.seed = seed
         self.per_epoch = len(sequences) // micro_batch
         self.position = start
+        self.num_shards = num_shards
         self._epoch, self._order = None, None
+
+    def seek(self, start_row):
+        """Continue after ``start_row`` rows of the whole run (DeepSpeed's
+        ``global_samples``): this replica served 1 / num_shards of them, a micro-batch
+        per position. A resume keeps the replicas and the micro-batch (checkpointer's
+        resume check), so the rows divide evenly."""
+        position, rest = divmod(int(start_row), self.num_shards * self.micro_batch)
+        assert rest == 0, f"{start_row} rows do not divide into {self.num_shards} replicas x {self.micro_batch}"
+        self.position = position
 
     def _epoch_order(self, epoch):
         if self._epoch != epoch:
