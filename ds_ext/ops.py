@@ -24,7 +24,7 @@ later launch of that user waits forever.
 - ``load_deepspeed_ops(names)``: DeepSpeed's op builders by class name, each loaded
   under the guard, saying so when it has to build.
 
-``python -m ds_ext.ops`` builds every op a run can need (launch/setup_env.sh runs it
+``python launch/build_ops.py`` builds every op a run can need (launch/setup_env.sh runs it
 once when it makes the environment), so a launch finds them built.
 """
 
@@ -234,27 +234,3 @@ def run_ops(compiled_ops):
     from deepspeed.accelerator import get_accelerator
     cpu = get_accelerator().device_name() == "cpu"
     return (("ShareMemCommBuilder",) if cpu else ()) + tuple(n for n in compiled_ops if n != "ShareMemCommBuilder")
-
-
-# what `python -m ds_ext.ops` builds: the ops of every shipped config on this accelerator
-SETUP_OPS = ("FusedAdamBuilder",)
-
-
-def main(argv=None):
-    """Build every op a run can need, then say where they are."""
-    import argparse
-    p = argparse.ArgumentParser(description="Build the compiled ops seekspeed runs load (DeepSpeed's and "
-                                            "seekspeed's kernels), once per environment.")
-    p.parse_args(argv)
-    root = use_environment_root()
-    from .comm import kernels
-    load_deepspeed_ops(run_ops(SETUP_OPS), log=_stderr)
-    for stem in kernels.build_all():
-        _stderr(f"ops: seekspeed's {stem} kernel did not build ({kernels.build_error(stem)}); runs use torch ops "
-                f"for it instead")
-    _stderr(f"ops: built in {root or 'torch default (~/.cache/torch_extensions)'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 # Sourced by launch/quickstart.sh and tests/run.sh: make .venv (Python 3.11) with
 # requirements.txt installed, reinstalling only when requirements.txt changes, and
 # build the compiled ops a run loads once, inside the venv (.venv/torch_extensions;
-# python -m ds_ext.ops, see ds_ext/ops.py), so no launch builds or waits on a build.
+# python launch/build_ops.py, see ds_ext/ops.py), so no launch builds or waits on a build.
 set -euo pipefail
 SEEKSPEED_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SEEKSPEED_VENV:-$SEEKSPEED_ROOT/.venv}"
@@ -43,7 +43,7 @@ ensure_venv() {
         echo "setup: building the compiled ops runs load into $TORCH_EXTENSIONS_DIR (about two minutes, once)" >&2
         mkdir -p "$TORCH_EXTENSIONS_DIR"
         local ops_log="$TORCH_EXTENSIONS_DIR/.seekspeed-ops-build.log"
-        if ! (cd "$SEEKSPEED_ROOT" && python -m ds_ext.ops) >"$ops_log" 2>&1; then
+        if ! (cd "$SEEKSPEED_ROOT" && python launch/build_ops.py) >"$ops_log" 2>&1; then
             tail -n 20 "$ops_log" >&2
             echo "error: building the compiled ops failed (log: $ops_log); a C++ compiler and ninja are needed" >&2
             return 1

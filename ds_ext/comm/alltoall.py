@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ds_ext.pipe.overlap import switch
+from .turns import switch
 
 _timeline = None
 

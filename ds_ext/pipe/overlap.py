@@ -24,49 +24,7 @@ its own copy, falling back to the value set before the chunk began.
 import queue
 import threading
 
-_local = threading.local()
-_MISSING = object()
-
-
-def switch():
-    """Hand the baton to the other half of the running F&B chunk, if there is one and it
-    has not finished, and return when it is handed back. A no-op outside an interleave."""
-    ctx = getattr(_local, "ctx", None)
-    if ctx is not None:
-        ctx[0]._yield(ctx[1])
-
-
-def interleaving():
-    """True on a thread that runs one half of an interleaved F&B chunk."""
-    return getattr(_local, "ctx", None) is not None
-
-
-class PerThread:
-    """Data descriptor: one value per interleave half while a chunk is interleaved, the
-    shared value otherwise (and as each half's starting value)."""
-
-    def __set_name__(self, owner, name):
-        self.name, self.key = name, "_shared_" + name
-
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
-        values = getattr(_local, "values", None)
-        if values is not None:
-            value = values.get((id(obj), self.name), _MISSING)
-            if value is not _MISSING:
-                return value
-        try:
-            return obj.__dict__[self.key]
-        except KeyError:
-            raise AttributeError(self.name) from None
-
-    def __set__(self, obj, value):
-        values = getattr(_local, "values", None)
-        if values is not None:
-            values[(id(obj), self.name)] = value
-        else:
-            obj.__dict__[self.key] = value
+from ds_ext.comm.turns import PerThread, _local, interleaving, switch  # noqa: F401 (importers use them from here)
 
 
 def check_splittable(module):
@@ -78,7 +36,7 @@ def check_splittable(module):
         if isinstance(m, MoE) and not getattr(m, "async_all_to_all", False):
             raise ConfigError(f"seekspeed.overlap 'layer': {type(m).__name__} ({name}) runs its all-to-alls "
                               f"synchronously, so an F&B chunk cannot switch halves at them; issue them through "
-                              f"ds_ext.comm.alltoall (dispatch/arrive, as recipes/layers/moe.py DeepSeekMoE does) "
+                              f"ds_ext.comm.alltoall (dispatch/arrive, as the recipes' DeepSeekMoE layer does) "
                               f"and set async_all_to_all = True on the class, or set overlap 'none'")
 
 
