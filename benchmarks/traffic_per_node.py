@@ -2,7 +2,7 @@
 group's gradient, by compressor and arrangement (flat, hierarchical), at 2 to 128 nodes
 of 8 ranks of the group, and what each compressor keeps per rank between steps: counted
 by ds_ext/comm/traffic.py from the algorithms, not measured (the counts match the
-measured bytes of benchmarks/compressed_sync.py within 8 %, README).
+measured bytes of benchmarks/compressed_sync.py within 8 %, docs/compression.md).
 
 The gradient: by default the largest pipeline stage of ds_configs/128node.json as the
 planner builds it on the meta device (all its parameters, routed experts included, as if

@@ -280,7 +280,7 @@ class CommSection:
     @property
     def resolved_block_size(self):
         """block_size, or the compressor's default when unset: int4 64 (at 256 its runs
-        ended +0.6 % behind dense AdamW, at 64 -0.2 %: README), the others 256."""
+        ended +0.6 % behind dense AdamW, at 64 -0.2 %: docs/compression.md), the others 256."""
         from ds_ext.comm.traffic import default_block_size
         return self.block_size if self.block_size is not None else default_block_size(self.compressor)
 

@@ -8,8 +8,7 @@ names and contents, 'latest' written) in a new directory, for DeepSpeed's tools.
 
 Every file is verified against the checkpoint's manifest (size, sha256) and read with
 the restricted loader before anything is written; the result appears at --out only
-when complete. What DeepSpeed's zero_to_fp32 and ds_to_universal do with it: README,
-"Checkpoints and resume".
+when complete. What DeepSpeed's zero_to_fp32 and ds_to_universal do with it: docs/checkpoints.md.
 """
 
 import argparse

@@ -529,7 +529,7 @@ class PowerSGD:
     splittable = False
     # the token embedding's gradient has a row per token seen and the output head's a
     # column of softmax errors per token: sums of many unrelated rank-1 terms, which a
-    # rank-r approximation loses (measured in the README); a small share of a large model
+    # rank-r approximation loses (measured in docs/compression.md); a small share of a large model
     default_dense_params = ("*embed_tokens.weight", "*lm_head.weight")
 
     def __init__(self, *, rank=4, error_feedback=True, seed=0):
