@@ -19,6 +19,7 @@ import os
 import shutil
 
 from ds_ext.errors import ConfigError
+from ds_ext.log import print_line
 
 EXECUTORS = ("local", "ray", "slurm")
 _INSTALL = {"local": "datatrove==0.10.1", "ray": "ray==2.60.0", "slurm": "datatrove==0.10.1"}
@@ -35,7 +36,7 @@ class PackTask:
         from .store import run_task
         try:
             run_task(self.plan, self.tokenizer, rank=rank, world_size=world_size,
-                     log=lambda m: print(m, flush=True))
+                     log=print_line)
         except SeekspeedError as exc:       # bad input: one line for the driver, not a traceback per task
             self.plan.record_error(rank, exc)
             print(f"data: task {rank}/{world_size} stopped: {exc}", flush=True)
@@ -50,7 +51,7 @@ class FinishTask:
 
     def __call__(self, data, rank, world_size):
         from .store import finish
-        finish(self.plan, log=lambda m: print(m, flush=True))
+        finish(self.plan, log=print_line)
         return []
 
 

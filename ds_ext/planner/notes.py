@@ -22,7 +22,9 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
     ep_node_count = len(set(a2a.nodes))
     if ep_node_count > 1:
         from .collectives import moe_dispatch
-        limited = mc.topk_group if mc.n_group == ep_node_count and mc.topk_group < mc.n_group else None
+        # group-limited routing (DeepSeek-V3's n_group / topk_group; a recipe without it routes freely)
+        groups, top_groups = getattr(mc, "n_group", 1), getattr(mc, "topk_group", 1)
+        limited = top_groups if groups == ep_node_count and top_groups < groups else None
         deepep, _ = moe_dispatch(tokens=m.tokens, token_bytes=mc.hidden_size * m.precision.act, nodes=ep_node_count,
                                  per_node=max(map(a2a.nodes.count, a2a.nodes)), fabric=hw.fabric(),
                                  num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
