@@ -16,19 +16,18 @@ import sys
 import time
 
 from .checkpointer import Checkpointer
+from .data.feed import DataFeed, node_dp_ranks
 from .config import print_warnings
 from .distributed import free_port
-from .errors import DataError, SeekspeedError
+from .errors import SeekspeedError
+from .log import rank0_log
 from .progress import fmt_duration, peak_rss_mib
-from .run_plan import _partition_method, check_partition, partition_for, validate
+from .run_plan import check_partition, partition_for, validate
 from .step_metrics import StepMetrics
 from .step_trace import StepTrace
-from recipes.layers import moe
 
-# importers of ds_ext.trainer use these; check_partition, partition_for and
-# _partition_method (ds_ext/profile/plan.py) live in ds_ext/run_plan.py
-__all__ = ["main", "parse_args", "validate", "check_partition", "partition_for", "moe_step_update",
-           "_partition_method"]
+# importers of ds_ext.trainer use these; check_partition and partition_for live in ds_ext/run_plan.py
+__all__ = ["main", "parse_args", "validate", "check_partition", "partition_for"]
 
 
 def parse_args(argv=None):
@@ -163,14 +162,17 @@ def _train(args, plan, control):
     torch.manual_seed(s.train.seed)
     model, topo, init_tensors = _build_model(plan, control, rank=rank)
     stage, dp_rank = model._grid.get_stage_id(), model._grid.get_data_parallel_id()
-    store, batches = _open_data(plan, control, rank=rank, stage=stage, dp_rank=dp_rank,
-                                node_dp_ranks=_node_dp_ranks(plan, topo, rank=rank))
+    data = DataFeed(plan, control, rank=rank, stage=stage, dp_rank=dp_rank,
+                    node_dp_ranks=node_dp_ranks(plan, topo, rank=rank))
     engine = _build_engine(plan, model, topo, rank=rank)
+    hooks = plan.recipe.active_hooks(plan.model_config)
+    for hook in hooks:
+        hook.setup(engine, section=s, grad_accum=layout.grad_accum)
     checkpoints = Checkpointer(plan, engine, control, rank=rank)
     if plan.resume:
         checkpoints.resume()
     start, total = engine.global_steps, s.train.steps
-    batches = _continue_data(batches, store, engine, grad_accum=layout.grad_accum)
+    batches = data.resume(engine)
     trace = StepTrace(plan, engine, control, pipe_trace=args.pipe_trace, start=start, rank=rank, stage=stage,
                       dp_rank=dp_rank)
     metrics = StepMetrics(plan, engine, control, window=trace.window, batches=batches, start=start, rank=rank,
@@ -184,13 +186,12 @@ def _train(args, plan, control):
         loss = engine.train_batch(batches).item()
         step_s = time.perf_counter() - t_step
         trace.after_step(step)
-        moe_update = moe_step_update(engine, speed=s.moe.bias_update_speed) if plan.has_moe else None
-        metrics.step(step, loss=loss, step_s=step_s, moe_update=moe_update)
+        figures = [hook.after_step(engine, section=s) for hook in hooks]
+        metrics.step(step, loss=loss, step_s=step_s, figures=[f for f in figures if f is not None])
         checkpoints.after_step(step)
     checkpoints.finish(start=start)
 
-    summary = _summary(plan, control, metrics=metrics, checkpoints=checkpoints, store=store, batches=batches,
-                       init_tensors=init_tensors)
+    summary = _summary(plan, control, metrics=metrics, checkpoints=checkpoints, data=data, init_tensors=init_tensors)
     if rank == 0:
         _print_summary(summary)
         if args.summary_json:
@@ -209,14 +210,13 @@ def _build_model(plan, control, *, rank):
     s, layout, model_config = plan.section, plan.layout, plan.model_config
     topo = plan_topology(s.topology, layout=layout, model_config=model_config, ds=plan.cfg.ds,
                          stage_params=plan.stage_params, ep=s.moe.expert_parallel_size,
-                         log=(lambda msg: print(msg, flush=True)) if rank == 0 else (lambda m: None))
+                         log=rank0_log(rank))
     model = plan.recipe.build_pipeline(
         model_config, topology=deepspeed_topology(topo.placement, pp=layout.pipe_stages, dp=layout.data_parallel),
         schedule=s.schedule, partition_method=plan.layers.partition,
         activation_checkpoint_interval=plan.cfg.ds.get("pipeline", {}).get("activation_checkpoint_interval", 0),
-        seed=s.train.seed, mtp_loss_weight=s.mtp.loss_weight, expert_parallel_size=s.moe.expert_parallel_size,
-        document_token=plan.tokenizer.eos_token_id if s.data.attention == "document" else None,
-        **plan.recipe_options)
+        seed=s.train.seed, document_token=plan.tokenizer.eos_token_id if s.data.attention == "document" else None,
+        **plan.recipe_options, **plan.recipe.build_options(s))
     init_tensors, error = 0, None
     if plan.init_from is not None:
         from .hf_io import load_hf_into_module
@@ -227,9 +227,6 @@ def _build_model(plan, control, *, rank):
     control.stop_if_any_failed(error, rank=rank)
     if plan.init_from is not None and rank == 0:
         print(f"init_from: {plan.init_from} (each stage read only its own layers)", flush=True)
-    if plan.has_moe:
-        moe.configure_balancing(model, alpha=s.moe.balance_loss_alpha, grad_scale=1.0 / layout.grad_accum)
-    plan.recipe.configure_layer_losses(model, grad_scale=1.0 / layout.grad_accum)
     return model, topo, init_tensors
 
 
@@ -255,135 +252,7 @@ def _build_engine(plan, model, topo, *, rank):
     return engine
 
 
-def _node_dp_ranks(plan, topo, *, rank):
-    """The data-parallel ranks read on this rank's node (the topology plan's nodes):
-    the readers that share a node hot tier (data.hot_scope "node")."""
-    from .topology.placement import deepspeed_topology
-    grid = deepspeed_topology(topo.placement, pp=plan.layout.pipe_stages, dp=plan.layout.data_parallel)
-    return sorted({grid.get_coord(r).data for r, node in enumerate(topo.node_of)
-                   if node == topo.node_of[rank] and grid.get_coord(r).pipe in plan.data_stages})
-
-
-def _open_data(plan, control, *, rank, stage, dp_rank, node_dp_ranks=()):
-    """(the tiered pipeline's packed store or None, this rank's batches or None on stages
-    that read no data)."""
-    from .data import PackedBatches
-    s, layout, tokenizer = plan.section, plan.layout, plan.tokenizer
-    store = None
-    if s.data.pipeline == "tiered":
-        store = _packed_store(s.data, tokenizer, control, rank=rank)
-    batches, error = None, None
-    if store is not None and stage in plan.data_stages:
-        try:
-            batches = _tiered_batches(s, layout, store, dp_rank=dp_rank, stage=stage, node_dp_ranks=node_dp_ranks)
-            if rank == 0 and batches.hot is not None:
-                f = batches.figures()
-                shared = (f"shared by data-parallel ranks {f['node_dp_ranks']} of this node"
-                          if f["scope"] == "node" else "this data rank's own")
-                print(f"data: hot tier {batches.hot.dir}: budget {f['budget_bytes'] / 1e6:,.1f} MB, {shared}; "
-                      f"hit rate and bytes from cold in the progress line", flush=True)
-        except SeekspeedError as exc:
-            error = exc
-    elif stage in plan.data_stages:
-        try:
-            t0 = time.perf_counter()
-            stats = {}
-            rows = _load_rows(s, layout, tokenizer, plan.model_config, shard=dp_rank, stats=stats)
-            batches = PackedBatches(rows, micro_batch=layout.micro_batch, seed=s.train.seed)
-            if dp_rank == 0 and stage == 0:
-                from .data.textfiles import describe_undecodable
-                undecodable = describe_undecodable(stats["replaced"], stats["skipped"])
-                print(f"data: {s.data.source} -> {len(rows):,} sequences of {s.data.seq_len} tokens on data-parallel "
-                      f"shard 0 ({time.perf_counter() - t0:.1f}s){'; corpus: ' + undecodable if undecodable else ''}",
-                      flush=True)
-        except SeekspeedError as exc:
-            error = exc
-    control.stop_if_any_failed(error, rank=rank)
-    return store, batches
-
-
-def _continue_data(batches, store, engine, *, grad_accum):
-    """The batches from where the engine stands (a resumed run's step), timed per pull."""
-    if batches is None:
-        return None
-    if store is not None:
-        batches.seek(engine.global_samples)           # the rows consumed so far, whatever the layout was
-    else:
-        batches.position = engine.global_steps * grad_accum
-    from .profile.run import TimedBatches
-    return TimedBatches(batches)
-
-
-def _packed_store(data, tokenizer, control, *, rank):
-    """The tiered pipeline's packed shards: rank 0 builds them if missing (the others
-    wait), then every rank opens the same cache."""
-    from .data.sources import cache_dir
-    from .data.store import build_all, open_all
-    root = data.cache_dir or str(cache_dir() / "packed")
-    error = None
-    if rank == 0:
-        try:
-            build_all(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard,
-                      log=lambda m: print(m, flush=True))
-        except SeekspeedError as exc:
-            error = exc
-        except OSError as exc:
-            error = DataError(f"seekspeed.data.cache_dir {root}: cannot build the packed cache ({exc})")
-    control.stop_if_any_failed(error, rank=rank)
-    store = open_all(data, tokenizer, root=root, rows_per_shard=data.rows_per_shard)
-    control.stop_if_any_failed(None if store is not None else DataError(
-        f"seekspeed.data.cache_dir {root}: rank 0 built the packed cache but this rank cannot read it; the "
-        f"cache directory must be shared by all ranks"), rank=rank)
-    if rank == 0:
-        from .data.store import describe_store
-        mix = "" if len(store.stores) == 1 else \
-            f"; mixture of {len(store.stores)} sources, weights {', '.join(f'{w:g}' for w in store.weights)}"
-        print(f"data: {store.num_rows:,} packed rows in {len(store.shards)} shards under {store.root} "
-              f"({store.index['documents']:,} documents, {store.index['tokens']:,} tokens{mix})", flush=True)
-        for i, (part, weight) in enumerate(zip(store.stores, store.weights)):
-            print(f"data: source {i + 1}/{len(store.stores)}{f' (weight {weight:g})' if len(store.stores) > 1 else ''}: "
-                  f"{describe_store(part)}", flush=True)
-    return store
-
-
-def _tiered_batches(s, layout, store, *, dp_rank, stage, node_dp_ranks=()):
-    """This reader's TieredBatches; with data.hot_scope "node" its hot tier is shared
-    with the readers of ``node_dp_ranks`` (one directory and one budget per node)."""
-    from .data.node_tier import NodeHotTier, node_directory
-    from .data.order import SampleOrder
-    from .data.tiers import ColdTier, HotTier, TierStats, TieredBatches
-    d = s.data
-    order = SampleOrder([sh["rows"] for sh in store.shards], seed=s.train.seed, window=d.shuffle_window,
-                        dp_size=layout.data_parallel, micro_batch=layout.micro_batch,
-                        sources=store.source_of_shard, weights=store.weights)
-    cold = ColdTier(store.root)
-    hot, node = None, {}
-    tier = dict(budget_bytes=int(d.hot_budget_mb * 1e6), policy=d.policy, stats=TierStats(),
-                min_shards=d.shuffle_window * len(store.stores))
-    if d.hot_dir and d.hot_scope == "rank":
-        hot = HotTier(store, cold, os.path.join(d.hot_dir, f"dp{dp_rank}-stage{stage}"), **tier)
-    elif d.hot_dir:
-        hot = NodeHotTier(store, cold, node_directory(d.hot_dir, store), **tier)
-        # the node's readers are within about one optimizer step of each other
-        node = {"node_dp_ranks": node_dp_ranks, "pin_window": layout.grad_accum}
-    return TieredBatches(store, order, dp_rank=dp_rank, cold=cold, hot=hot, prefetch=d.prefetch,
-                         prefetch_batches=d.prefetch_batches, **node)
-
-
-def _load_rows(s, layout, tokenizer, model_config, *, shard, stats=None):
-    from .data import packed_sequences
-    try:
-        return packed_sequences(s.data, tokenizer, vocab_size=model_config.vocab_size, shard=shard,
-                                num_shards=layout.data_parallel, stats=stats)
-    except SeekspeedError:
-        raise
-    except Exception as exc:  # a corrupt file surfaces as whatever its reader raises
-        first = (str(exc).splitlines() or [""])[0][:300]
-        raise DataError(f"cannot load seekspeed.data.source {s.data.source} ({type(exc).__name__}: {first}); "
-                        f"check the files, or point data.source elsewhere") from None
-
-
-def _summary(plan, control, *, metrics, checkpoints, store, batches, init_tensors):
+def _summary(plan, control, *, metrics, checkpoints, data, init_tensors):
     """The run summary (collective: every rank gathers its figures; rank 0's is complete)."""
     layout = plan.layout
     summary = metrics.finish()
@@ -400,28 +269,13 @@ def _summary(plan, control, *, metrics, checkpoints, store, batches, init_tensor
         summary["comm"] = comm
     if checkpoints.history is not None:
         summary["checkpoint_history"] = checkpoints.history
-    if store is not None:
-        tiers = control.gather(batches.figures() if batches is not None else None)
-        summary["data_tiers"] = [t for t in tiers if t is not None]
-        if batches is not None:
-            batches.close()
+    tiers = data.summary(control)
+    if tiers is not None:
+        summary["data_tiers"] = tiers
     moe_figures = metrics.moe_summary()
     if moe_figures is not None:
         summary["moe"] = moe_figures
     return summary
-
-
-def moe_step_update(engine, *, speed):
-    """After an optimizer step: the routers' bias update (loads summed over the stage's
-    replicas) and this rank's balance loss. Under dualpipe each stage's two copies (a
-    rank pair) see half the micro-batches each: their loads are summed too, so both
-    copies' biases move alike, and each layer's balance loss is the mean of its copies'."""
-    pair = getattr(engine, "_pair_group", None)
-    loads = moe.update_expert_biases(engine.module, speed=speed, group=[engine.grid.get_data_parallel_group(), pair])
-    balance = moe.take_balance_loss(engine.module)
-    if pair is not None and balance is not None:
-        balance /= 2
-    return loads, balance
 
 
 def _print_summary(summary):
