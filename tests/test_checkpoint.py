@@ -18,8 +18,7 @@ checkpoint verifies and loads with its own step's data, the newest complete one 
 the newest committed, `latest` names it or the one before, no staging directory is
 taken for a checkpoint; one trial in four resumes and runs on from the newest
 complete one.
-About 80 s on 2 cores: 45 s the SIGKILL test (measured; its 16 trials before took 55 s),
-the rest as before."""
+About 80 s on 2 cores, 45 s of it the SIGKILL test."""
 
 import collections
 import functools

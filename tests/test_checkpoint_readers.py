@@ -2,8 +2,9 @@
 
 Runs (shared by the tests below): tiny (bf16, ZeRO-1, fp32 accumulation, as the
 production configs; 2 ranks = 2 stages) trained 2 steps once with each checkpoint
-engine, the async-zstd one under the deepspeed launcher (its ranks must exit: rank 0
-used to wait for ever at interpreter exit); tiny-moe (fp32, ZeRO-1, 2 stages x 2 replicas, expert-parallel degree 2)
+engine, the async-zstd one under the deepspeed launcher (its ranks must exit: DeepSpeedEngine.__del__
+runs the checkpoint engine's cleanup at interpreter exit, which the harness's ranks, leaving by
+os._exit, never reach); tiny-moe (fp32, ZeRO-1, 2 stages x 2 replicas, expert-parallel degree 2)
 trained 4 steps with async-zstd (checkpoints at 2 and 4), then resumed from its step
 2 with checkpoint.engine "deepspeed" (a DeepSpeed-format checkpoint of step 4).
 Checked: the resumed losses equal the uninterrupted run's bitwise; export and
@@ -42,7 +43,7 @@ from ds_ext.hf_io import export_hf
 from tests.mounts import small_tmpfs
 from tests.numerics import assert_same_checkpoint_weights
 from tests.distributed import free_port, run_ranks
-from tests.test_train_e2e import _env, _trainer_rank
+from tests.training import launcher_env, trainer_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,10 +69,10 @@ def _train(cfg, ckpt, *, world, steps, resume=False, launcher=False):
     if launcher:
         proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(world),
                                "--master_port", str(free_port()), os.path.join(ROOT, "launch", "train.py"), *argv],
-                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                              cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
-        res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300, args=(argv, ))
+        res = run_ranks(trainer_rank, world_size=world, init_dist=False, timeout=300, args=(argv, ))
         assert [r[0] for r in res] == [0] * world, res
     with open(summary) as f:
         return json.load(f)
@@ -88,7 +89,8 @@ def dense(tmp_path_factory):
     out = {}
     for engine in ("async-zstd", "deepspeed"):
         cfg = _config(tmp / f"{engine}.json", "tiny_cpu.json", engine=engine, mutate=_bf16)
-        # the production configs' engine, as a user runs it: under the launcher (its ranks used to hang at exit)
+        # the production configs' engine, as a user runs it: under the launcher, whose ranks exit
+        # through the interpreter's finalization (the harness's leave by os._exit)
         out[engine] = (tmp / engine, _train(cfg, tmp / engine, world=2, steps=2, launcher=engine == "async-zstd"))
     assert out["async-zstd"][1]["losses"] == out["deepspeed"][1]["losses"]   # the engine changes no arithmetic
     return {"tmp": tmp, "async": out["async-zstd"][0], "deepspeed": out["deepspeed"][0]}
@@ -433,7 +435,7 @@ def test_resume_refuses_a_crafted_checkpoint_on_every_rank(dense, tmp_path):
     # a file only stage 1 reads: without the check first, stage 0 would wait for it in a collective
     path = _crafted_copy(dense["deepspeed"], ckpt, marker, name="layer_06-model_states.pt")
     cfg = _config(tmp_path / "cfg.json", "tiny_cpu.json", engine="deepspeed", mutate=_bf16)
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume"], ))
     assert [r[0] for r in res] == [2, 2], res
     lines = res[0][2].strip().splitlines()
@@ -477,7 +479,7 @@ def test_universal_checkpoint_loading_is_refused(tmp_path):
     the checkpoint engine: that mode is refused at start-up, before anything is written."""
     cfg = _config(tmp_path / "cfg.json", "tiny_1rank.json", engine="deepspeed",
                   mutate=lambda c: c.update(checkpoint={"load_universal": True}))
-    res = run_ranks(_trainer_rank, world_size=1, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=1, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt")], ))
     assert res[0][0] == 2 and res[0][2].strip().splitlines()[-1].startswith(
         "error: DeepSpeed's checkpoint.load_universal reads files with torch.load(weights_only=False)"), res[0][2]

@@ -33,7 +33,7 @@ from ds_ext.comm import state as comm_state
 from ds_ext.config import CommSection
 from ds_ext.errors import ConfigError
 from tests.distributed import run_ranks
-from tests.test_train_e2e import _config, _trainer_rank
+from tests.training import trainer_rank, write_config
 
 TOPK = {"compressor": "topk", "ratio": 0.05, "selection": "sampled", "error_feedback": True}
 
@@ -210,7 +210,7 @@ def _cfg(tmp_path, name, comm, *, engine):
         s["checkpoint"].update(interval_steps=2, engine=engine)
         s["comm"] = comm
     path = tmp_path / f"{name}.json"
-    shutil.move(_config(tmp_path, "tiny_cpu.json", mutate), path)
+    shutil.move(write_config(tmp_path, "tiny_cpu.json", mutate), path)
     return str(path)
 
 
@@ -222,7 +222,7 @@ def _train(cfg, ckpt, *, resume_from=None, step=2):
         (ckpt / "latest").write_text(f"global_step{step}")
     summary = f"{ckpt}.json"
     argv = ["--deepspeed", cfg, "--steps", "4", "--checkpoint-dir", str(ckpt), "--summary-json", summary]
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(argv + (["--resume"] if resume_from is not None else []),))
     assert [r[0] for r in res] == [0, 0], res[0][1][-3000:] + res[0][2][-3000:]
     with open(summary) as f:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from recipes import deepseek_v32
 from recipes.layers import dsa
 from recipes.layers.hf import copy_into_transformers, load_hf_state_dict, to_hf_state_dict
-from recipes.layers.pipe import SequentialReference
+from recipes.layers.reference import SequentialReference
 from tests.numerics import assert_sum_close, saved_bytes_per_token
 
 SEQ = 48
@@ -304,7 +304,7 @@ def test_deepseek_v32_parameter_count():
     which this recipe ties to the main model's: 685.36B here. The checkpoint's fp8 block
     scales (one fp32 per 128 x 128 weights, about 0.04B) are not parameters here."""
     from transformers import DeepseekV32ForCausalLM
-    from recipes.layers.pipe import count_parameters, stage_parameter_counts
+    from ds_ext.pipe.partition import count_parameters, stage_parameter_counts
     config = deepseek_v32.make_config("deepseek-v3.2")
     with torch.device("meta"):
         hf_count = sum(p.numel() for p in DeepseekV32ForCausalLM(config.to_hf_config()).parameters())
@@ -559,10 +559,10 @@ def test_trains_with_expert_parallelism(schedule, stage, tmp_path):
     import json
     from ds_ext.hf_io import load_checkpoint_model
     from tests.distributed import run_ranks
-    from tests.test_train_e2e import _trainer_rank
+    from tests.training import trainer_rank
     cfg, seed = _ep_config(tmp_path, schedule, stage)
     ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
-    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=4, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt),
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0] * 4, res

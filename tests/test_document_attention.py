@@ -9,8 +9,9 @@ import torch
 
 from ds_ext.errors import ConfigError
 from recipes import deepseek_v3
-from recipes.layers.pipe import SequentialReference, document_mask
-from tests.test_train_e2e import _config
+from recipes.layers.pipe import document_mask
+from recipes.layers.reference import SequentialReference
+from tests.training import write_config
 
 EOS = 256
 
@@ -58,13 +59,13 @@ def test_config_refusals(tmp_path):
     from ds_ext import trainer
     from ds_ext.config import load_config
     with pytest.raises(ConfigError, match="attention 'sliding' is not one of"):
-        load_config(_config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(attention="sliding")),
+        load_config(write_config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(attention="sliding")),
                     world_size=2)
 
     def document_with_mtp(c):
         c["seekspeed"]["data"]["attention"] = "document"
         c["seekspeed"]["recipe"]["overrides"] = {"num_mtp_layers": 1}
-    path = _config(tmp_path, "tiny_cpu.json", document_with_mtp)
+    path = write_config(tmp_path, "tiny_cpu.json", document_with_mtp)
     with pytest.raises(ConfigError, match="does not support multi-token prediction"):
         trainer.validate(trainer.parse_args(["--deepspeed", path, "--checkpoint-dir", str(tmp_path / "c")]),
                          world_size=2)

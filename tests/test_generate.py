@@ -13,7 +13,7 @@ import torch
 
 from recipes import deepseek_v3
 from recipes.layers.latent_kv import LatentKVCache, MLADecoder, full_kv_bytes_per_token
-from recipes.layers.pipe import SequentialReference
+from recipes.layers.reference import SequentialReference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,

@@ -23,7 +23,7 @@ def test_refuses_without_cuda_in_one_line():
 
 
 def test_run_configs_pass_validation_and_the_planner(tmp_path):
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     from ds_ext.trainer import parse_args, validate
     for name in gpu_check.RUNS:
         path = gpu_check.write_run_config(name, workdir=str(tmp_path))

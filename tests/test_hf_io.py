@@ -16,9 +16,9 @@ from ds_ext.errors import ConfigError
 from ds_ext.checkpoint import CheckpointError
 from ds_ext.hf_io import check_hf_dir, export_hf, load_hf_into_module
 from recipes import deepseek_v3
-from recipes.layers.pipe import SequentialReference
+from recipes.layers.reference import SequentialReference
 from tests.distributed import run_ranks
-from tests.test_train_e2e import _trainer_rank
+from tests.training import trainer_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {"tie_word_embeddings": True}
@@ -41,7 +41,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     cfg = _config(tmp, "train.json", lambda c: None)
     ckpt = tmp / "ckpt"
-    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=4, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "3", "--checkpoint-dir", str(ckpt)],))
     assert [r[0] for r in res] == [0] * 4, res
     out = tmp / "hf"
@@ -78,7 +78,7 @@ def test_training_starts_from_a_transformers_directory(trained, tmp_path):
         c["seekspeed"]["moe"]["bias_update_speed"] = 0.0
     cfg = _config(tmp_path, "init.json", mutate)
     ckpt, summary = tmp_path / "ckpt", tmp_path / "s.json"
-    res = run_ranks(_trainer_rank, world_size=4, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=4, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "1", "--checkpoint-dir", str(ckpt),
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0] * 4, res

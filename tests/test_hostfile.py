@@ -3,7 +3,7 @@ the pool equals DeepSpeed's own parser's and every line DeepSpeed refuses is ref
 with the file and line named; --include / --exclude / --num_nodes / --num_gpus give
 DeepSpeed's own active resources; ``topology.bandwidth: hostfile`` follows the
 launcher's --world_info (read from the parent, checked here under the real
-``deepspeed`` launcher with --include, the launch that used to be refused), or the
+``deepspeed`` launcher with --include, which gives fewer ranks than the hostfile's slots), or the
 section's filters, and a mismatch names what differs; the planner's --hostfile with
 the same flags. Single process plus one real launcher run; about 10 s."""
 
@@ -99,8 +99,8 @@ def test_world_info_only_from_deepspeeds_launcher():
 
 
 def test_include_launch_follows_the_launcher(tmp_path):
-    """The launch that was refused: `deepspeed --hostfile hosts --include worker-1 ...`
-    runs 4 ranks on a 10-slot hostfile."""
+    """`deepspeed --hostfile hosts --include worker-1 ...` runs 4 ranks on a 10-slot
+    hostfile: the nodes are those the launcher chose, not the hostfile's whole pool."""
     section = _section(tmp_path)
     nodes, source = hostfile_nodes(section, world_size=4, world_info={"worker-1": [0, 1, 2, 3]},
                                    env={"CROSS_SIZE": "1", "CROSS_RANK": "0", "LOCAL_SIZE": "4"})
@@ -179,7 +179,7 @@ def test_real_launcher_with_include(tmp_path):
 
 
 def test_planner_hostfile_flags(tmp_path):
-    from ds_ext.profile.plan import nodes_from_hostfile
+    from ds_ext.planner import nodes_from_hostfile
     from launch.plan import main
     hosts = tmp_path / "hosts"
     hosts.write_text("".join(f"node-{i:03d} slots=8\n" for i in range(4)) + "small slots=4\n")

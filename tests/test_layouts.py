@@ -10,7 +10,7 @@ from ds_ext.config import load_config
 from ds_ext.errors import ConfigError
 from recipes import deepseek_v3
 from ds_ext.trainer import partition_for
-from recipes.layers.pipe import stage_parameter_counts
+from ds_ext.pipe.partition import stage_parameter_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,8 @@ import torch
 
 from recipes import deepseek_v3
 from recipes.layers.hf import load_hf_state_dict
-from recipes.layers.pipe import SequentialReference, stage_parameter_counts
+from recipes.layers.reference import SequentialReference
+from ds_ext.pipe.partition import stage_parameter_counts
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}
@@ -120,7 +121,8 @@ def test_counts_match_the_published_totals(preset, total, activated):
     input embedding lookup: 36.63B (-1.0%) and 2.45B (+2.1%); with it 37.55B (+1.5%)
     and 2.66B (+11%). No single convention reproduces both two-digit published figures
     within 1%, so activated counts are held to 2.5%."""
-    from recipes.layers.pipe import activated_parameters, count_parameters
+    from recipes.layers.counts import activated_parameters
+    from ds_ext.pipe.partition import count_parameters
     specs = deepseek_v3.layer_specs(deepseek_v3.make_config(preset), seed=0)
     got_total = sum(count_parameters(s) for s in specs)
     got_activated = activated_parameters(specs)

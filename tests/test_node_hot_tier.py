@@ -28,7 +28,8 @@ from ds_ext.config import DataSection
 from ds_ext.data import ByteTokenizer
 from ds_ext.data.node_tier import NodeHotTier, _flock, node_directory
 from ds_ext.data.order import SampleOrder
-from ds_ext.data.store import ShardSet, build
+from ds_ext.data.build import build
+from ds_ext.data.store import ShardSet
 from ds_ext.data.tiers import ColdTier, HotTier, TierStats, TieredBatches
 from ds_ext.errors import ConfigError
 
@@ -206,15 +207,15 @@ def _section(tmp_path, store, scope):
 
 @pytest.mark.timeout(60)
 def test_hot_scope_rank_is_the_per_rank_tier_and_node_shares_one(tmp_path):
-    from ds_ext.trainer import _tiered_batches
+    from ds_ext.data.feed import tiered_batches
     store = _store(tmp_path)
     store = ShardSet(tmp_path / "cold", [store], [1.0])             # what the trainer opens
     layout = types.SimpleNamespace(data_parallel=2, micro_batch=3, grad_accum=4)
-    rank = _tiered_batches(_section(tmp_path, store, "rank"), layout, store, dp_rank=1, stage=0,
+    rank = tiered_batches(_section(tmp_path, store, "rank"), layout, store, dp_rank=1, stage=0,
                            node_dp_ranks=[0, 1])
     assert type(rank.hot) is HotTier and rank.hot.dir == str(tmp_path / "hot-rank" / "dp1-stage0")
     assert rank.node_dp_ranks == (1,) and rank.pin_window == 0 and rank.figures()["scope"] == "rank"
-    node = _tiered_batches(_section(tmp_path, store, "node"), layout, store, dp_rank=1, stage=0,
+    node = tiered_batches(_section(tmp_path, store, "node"), layout, store, dp_rank=1, stage=0,
                            node_dp_ranks=[0, 1])
     assert type(node.hot) is NodeHotTier and node.hot.dir == node_directory(str(tmp_path / "hot-node"), store)
     assert node.node_dp_ranks == (0, 1) and node.pin_window == 4
@@ -246,12 +247,12 @@ def test_node_directories_are_per_store_and_a_wrong_size_file_is_replaced(tmp_pa
 def test_the_node_readers_come_from_the_topology_plan():
     """2 stages x 2 replicas on 2 nodes of 2 ranks: with pipe-data numbering a node holds
     both replicas of one stage, with data-pipe both stages of one replica."""
-    from ds_ext.trainer import _node_dp_ranks
+    from ds_ext.data.feed import node_dp_ranks
     plan = types.SimpleNamespace(layout=types.SimpleNamespace(pipe_stages=2, data_parallel=2),
                                  data_stages=frozenset({0, 1}))
     for placement, want in (("pipe-data", [[0, 1], [0, 1]]), ("data-pipe", [[0], [1]])):
         topo = types.SimpleNamespace(placement=placement, node_of=[0, 0, 1, 1])
-        assert [_node_dp_ranks(plan, topo, rank=r) for r in (0, 2)] == want
+        assert [node_dp_ranks(plan, topo, rank=r) for r in (0, 2)] == want
     plan.data_stages = frozenset({0})                   # only stage 0 reads: node 1 of pipe-data reads nothing
     topo = types.SimpleNamespace(placement="pipe-data", node_of=[0, 0, 1, 1])
-    assert _node_dp_ranks(plan, topo, rank=2) == []
+    assert node_dp_ranks(plan, topo, rank=2) == []

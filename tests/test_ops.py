@@ -104,7 +104,7 @@ def refuse(*args, **kwargs):
 cpp.load = cpp._jit_compile = cpp._import_module_from_library = refuse
 from deepspeed.ops.op_builder.builder import OpBuilder
 from ds_ext.config import load_config
-from ds_ext.profile.plan import make_plan
+from ds_ext.planner import make_plan
 from tests import config_analogues
 out = {}
 for name in config_analogues.config_names():

@@ -362,7 +362,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pipeline_matches_single_process(case):
     from recipes import deepseek_v3
-    from recipes.layers.pipe import CausalLMLoss, SequentialReference
+    from recipes.layers.pipe import CausalLMLoss
+    from recipes.layers.reference import SequentialReference
     c = CASES[case]
     bf16 = c.get("precision") == "bf16"
     results = run_ranks(_pipeline_rank, world_size=c["world"], args=(c["schedule"], c["stages"], c["gas"],

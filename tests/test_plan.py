@@ -1,4 +1,4 @@
-"""The planner (launch/plan.py, ds_ext/profile/plan.py): parameter counts per pipeline
+"""The planner (launch/plan.py, ds_ext/planner/): parameter counts per pipeline
 rank equal those of the PipelineModules DeepSpeed builds (2 gloo ranks, 1f1b and
 dualpipev) and the total equals transformers' DeepseekV3 built on the meta device;
 the activation model against the bytes autograd really keeps for our layers; the
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from ds_ext.profile.plan import Hardware, make_plan
+from ds_ext.planner import Hardware, make_plan
 from recipes.layers.costs import activation_bytes as layer_activation_bytes
 from tests.distributed import run_ranks
 from tests.numerics import saved_bytes_per_token
@@ -80,7 +80,7 @@ def test_activation_model_against_autograd(preset, layer_idx, kind, seq):
 
 def _fast_links():
     """No transfer time: links all but infinitely fast and no latency, the collectives'
-    per-step latencies (ds_ext/profile/collectives.py) included."""
+    per-step latencies (ds_ext/planner/collectives.py) included."""
     return Hardware(peak_tflops=100.0, efficiency=1.0, intra_gbps=1e12, inter_gbps=1e12, latency_us=0.0,
                     nvlink_latency_us=0.0, nic_latency_us=0.0)
 
@@ -95,7 +95,8 @@ def test_step_time_is_1f1b_by_hand(tmp_path):
     (backward), the head's logits written and read by the fp32 log-softmax (forward)
     and their fp32 gradient (backward)."""
     from recipes import deepseek_v3
-    from recipes.layers.pipe import activated_parameters, stage_parameter_counts
+    from recipes.layers.counts import activated_parameters
+    from ds_ext.pipe.partition import stage_parameter_counts
     m = 8
     path = _config(tmp_path, "tiny_cpu.json", **{"gradient_accumulation_steps": m})
     plan = make_plan(path, nodes=1, ranks_per_node=2, hardware=_fast_links())
@@ -386,7 +387,7 @@ def test_balanced_cut_is_the_best_cut(schedule, stages):
     import itertools
     import random
     from ds_ext.pipe import virtual_stages
-    from recipes.layers.pipe import balanced_cut
+    from ds_ext.pipe.partition import balanced_cut
     rng = random.Random(stages)
     parts = virtual_stages(schedule, stages)
     for _ in range(40):
@@ -500,7 +501,7 @@ def test_sweep_ranks_the_layouts_that_fit(tmp_path):
     """--sweep on a tiny MoE config (1 node x 4 ranks): every listed layout fits, they
     come fastest first, each is the plan of that layout made on its own, and refused
     combinations are counted with their reason."""
-    from ds_ext.profile.sweep import sweep
+    from ds_ext.planner.sweep import sweep
     path = _config(tmp_path, "tiny_moe_cpu.json")
     fitting, skipped = sweep(path, nodes=1, ranks_per_node=4, hardware=Hardware(), log=lambda m: None)
     assert len(fitting) >= 4 and skipped
@@ -509,7 +510,7 @@ def test_sweep_ranks_the_layouts_that_fit(tmp_path):
     assert {c.schedule for c in fitting} >= {"1f1b", "dualpipev-zb"} and {c.pipe_stages for c in fitting} >= {1, 2}
     assert all(c.micro_batch * c.grad_accum * (4 // c.pipe_stages) == 4 * 4 * 2 for c in fitting)   # the batch
     best = fitting[0]
-    from ds_ext.profile.sweep import _variant
+    from ds_ext.planner.sweep import _variant
     (tmp_path / "best").mkdir()
     p = tmp_path / "best" / "cfg.json"
     p.write_text(json.dumps(_variant(json.loads(open(path).read()), best)))

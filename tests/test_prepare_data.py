@@ -22,7 +22,8 @@ import pytest
 from ds_ext.config import DataSection
 from ds_ext.data import ByteTokenizer
 from ds_ext.data.order import SampleOrder
-from ds_ext.data.store import BuildPlan, build
+from ds_ext.data.build import build
+from ds_ext.data.store import BuildPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))

@@ -20,14 +20,14 @@ import torch
 
 from recipes import RECIPES, get_recipe
 from tests.distributed import run_ranks
-from tests.test_train_e2e import _trainer_rank
+from tests.training import trainer_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = sorted(RECIPES)
 
 
 def _meta_params(module_or_specs):
-    from recipes.layers.pipe import held_once
+    from ds_ext.pipe.partition import held_once
     specs = module_or_specs
     total = 0
     for i in held_once(specs, range(len(specs))):
@@ -41,7 +41,8 @@ def _meta_params(module_or_specs):
 @pytest.mark.parametrize("name", NAMES)
 def test_spec_builds_costs_and_cuts_its_model(name):
     from ds_ext.trainer import check_partition
-    from recipes.layers.pipe import check_checkpointing, layer_warnings, stage_parameter_counts
+    from recipes.layers.pipe import check_checkpointing, layer_warnings
+    from ds_ext.pipe.partition import stage_parameter_counts
     spec = get_recipe(name)
     assert "tiny" in spec.presets, f"recipe {name} needs a 'tiny' preset (the CPU test shape)"
     for preset in spec.presets:
@@ -85,10 +86,10 @@ def _run_config(tmp_path, name, schedule):
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_trains_plans_and_exports(name, schedule, tmp_path):
     from ds_ext.hf_io import export_hf, load_checkpoint_model
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     cfg = _run_config(tmp_path, name, schedule)
     ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt),
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0, 0], res
@@ -130,7 +131,7 @@ def test_a_copied_recipe_exports_and_generates_through_its_spec(copied, tmp_path
     from ds_ext.hf_io import check_hf_dir, load_hf_model
     from recipes import spec_for
     from recipes.layers.hf import to_hf_state_dict
-    from recipes.layers.pipe import SequentialReference
+    from recipes.layers.reference import SequentialReference
     spec = get_recipe("my_model")
     config = spec.make_config("tiny")
     assert type(config).__name__ == "MyModelConfig" and spec_for(config) is spec
@@ -220,9 +221,8 @@ def test_a_layer_the_planner_cannot_cost_is_named(copied):
 
 
 def test_a_recipe_section_the_recipe_does_not_read_is_refused():
-    from ds_ext.config import SeekspeedSection
+    from ds_ext.config import parse_section
     from ds_ext.errors import ConfigError
-    from ds_ext.schema import from_dict
-    section = from_dict(SeekspeedSection, {"train": {"steps": 1}, "dsa": {"stage": "warmup"}}, where="seekspeed")
+    section = parse_section({"train": {"steps": 1}, "dsa": {"stage": "warmup"}})
     with pytest.raises(ConfigError, match="seekspeed.dsa is set, and recipe deepseek_v3 does not read it"):
         get_recipe("deepseek_v3").train_options(section)

@@ -29,7 +29,7 @@ import pytest
 
 from tests.distributed import run_ranks
 from tests.numerics import assert_same_checkpoint_weights, gamma
-from tests.test_train_e2e import _config, _trainer_rank
+from tests.training import trainer_rank, write_config
 
 
 def _cfg(tmp_path, name, *, base="tiny_cpu.json", stages=2, micro=2, gas=1, ep=1, schedule=None, engine="deepspeed",
@@ -48,7 +48,7 @@ def _cfg(tmp_path, name, *, base="tiny_cpu.json", stages=2, micro=2, gas=1, ep=1
         s["checkpoint"].update(interval_steps=1, engine=engine)
         s["train"]["log_interval"] = 1
         s.setdefault("moe", {})["expert_parallel_size"] = ep
-    path = _config(tmp_path, base, mutate)
+    path = write_config(tmp_path, base, mutate)
     target = tmp_path / f"{name}.json"
     shutil.move(path, target)
     return str(target)
@@ -63,7 +63,7 @@ def _train(tmp_path, cfg, *, world, steps, ckpt, resume_from=None, step=None):
         (ckpt / "latest").write_text(f"global_step{step}")
     summary = tmp_path / f"{ckpt.name}.summary.json"
     argv = ["--deepspeed", cfg, "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--summary-json", str(summary)]
-    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(argv + (["--resume"] if resume_from is not None else []),))
     assert [r[0] for r in res] == [0] * world, res[0][1][-3000:] + res[0][2][-3000:]
     s = json.loads(summary.read_text())

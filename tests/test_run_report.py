@@ -15,7 +15,7 @@ import pytest
 from ds_ext.profile.report import check_png
 from ds_ext.profile.window import classify
 from tests.distributed import run_ranks
-from tests.test_train_e2e import _config, _trainer_rank
+from tests.training import trainer_rank, write_config
 
 
 def _rows(path):
@@ -30,9 +30,9 @@ def test_report_profile_monitor_and_resume(tmp_path):
         c["comms_logger"] = {"enabled": True, "prof_all": True}
         c["seekspeed"]["train"]["log_interval"] = 1
         c["seekspeed"]["checkpoint"]["interval_steps"] = 4
-    cfg = _config(tmp_path, "tiny_dualpipev_cpu.json", mutate)
+    cfg = write_config(tmp_path, "tiny_dualpipev_cpu.json", mutate)
     ckpt, summary = tmp_path / "ckpt", tmp_path / "summary.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(ckpt), "--profile", "2:3",
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0, 0], res
@@ -83,7 +83,7 @@ def test_report_profile_monitor_and_resume(tmp_path):
     with open(report / "metrics.csv") as f:
         lines = f.readlines()
     (report / "metrics.csv").write_text("".join(lines[:6]) + lines[6][:10])     # steps 1-5 and a torn row
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume",
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0, 0], res
@@ -97,7 +97,7 @@ def test_report_profile_monitor_and_resume(tmp_path):
 def test_profile_window_is_checked_before_training(tmp_path):
     from ds_ext import trainer
     from ds_ext.errors import ConfigError
-    cfg = _config(tmp_path, "tiny_cpu.json")
+    cfg = write_config(tmp_path, "tiny_cpu.json")
 
     def error(*argv):
         with pytest.raises(ConfigError) as err:
@@ -108,5 +108,5 @@ def test_profile_window_is_checked_before_training(tmp_path):
                                                    str(tmp_path / "c"))
     message = error("--profile", "3:2", "--checkpoint-dir", str(tmp_path / "c"))
     assert "--profile" in message and "3:2" in message
-    cfg = _config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["checkpoint"].update(dir=None))
+    cfg = write_config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["checkpoint"].update(dir=None))
     assert "needs a report directory" in error("--profile", "2:3")

@@ -56,7 +56,7 @@ def test_training_the_v3_layout_in_miniature_on_simulated_nodes(tmp_path):
     assert s["layout"]["schedule"] == "dualpipev-zb" and set(s["loss_parts"][-1]) == {"lm", "mtp"}
     assert len(s["moe"]["expert_load"]) == 4          # 3 MoE decoder layers + the MTP layer's
     assert "simcluster: 4 nodes x 1 ranks" in proc.stdout
-    from ds_ext.profile.plan import make_plan
+    from ds_ext.planner import make_plan
     plan = make_plan("ds_configs/128node_v3_tiny.json", nodes=4, ranks_per_node=1)
     cut = ", ".join(f"stage {p}: layers [{plan.bounds[p]},{plan.bounds[p + 1]})" for p in range(4))
     assert f"balanced partition (planner costs): {cut}" in proc.stdout

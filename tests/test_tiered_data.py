@@ -27,7 +27,8 @@ import torch
 from ds_ext.config import DataSection
 from ds_ext.data import ByteTokenizer
 from ds_ext.data.order import SampleOrder
-from ds_ext.data.store import build, cache_key
+from ds_ext.data.build import build
+from ds_ext.data.store import cache_key
 from ds_ext.data.tiers import ColdTier, HotTier, TierStats, TieredBatches
 from ds_ext.errors import DataError
 
@@ -248,7 +249,7 @@ def test_bad_input_fails_in_one_line(tmp_path):
 
 def _mixture(tmp_path):
     from ds_ext.config import MixtureSource
-    from ds_ext.data.store import build_all
+    from ds_ext.data.build import build_all
     big = _corpus(tmp_path, n=300, name="big.jsonl")
     small = _corpus(tmp_path, n=40, name="small.jsonl")
     data = DataSection(source="unused", seq_len=31, pipeline="tiered", rows_per_shard=16,

@@ -15,31 +15,12 @@ import pytest
 
 from tests.distributed import free_port, run_ranks
 from tests.numerics import assert_same_checkpoint_weights, gamma
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "launch", "train.py")
-BIN = os.path.dirname(sys.executable)
-
-
-def _env():
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    return env
+from tests.training import BIN, ROOT, TRAIN, launcher_env, trainer_rank, write_config
 
 
 def _run(cmd, timeout=300):
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=timeout)
     return proc
-
-
-def _config(tmp_path, name, mutate=None):
-    with open(os.path.join(ROOT, "ds_configs", name)) as f:
-        cfg = json.load(f)
-    if mutate:
-        mutate(cfg)
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
 
 
 @pytest.mark.e2e
@@ -58,17 +39,6 @@ def test_deepspeed_launcher_four_ranks(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "global_step8"
 
 
-def _trainer_rank(argv):
-    """launch/train.py's main() on one harness rank: (exit code, stdout, stderr)."""
-    from ds_ext import trainer
-    import io
-    import contextlib
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = trainer.main(argv)
-    return rc, out.getvalue(), err.getvalue()
-
-
 # MoE with expert parallelism resumes bitwise in test_checkpoint_readers.py (from async-zstd,
 # with the deepspeed engine) and, on another layout, in test_reshard.py
 RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engine, data pipeline
@@ -76,8 +46,8 @@ RESUME_CASES = {   # config, world size, expert-parallel degree, checkpoint engi
     "1f1b-async-zstd-tiered": ("tiny_cpu.json", 2, 1, "async-zstd", "tiered"),
 }
 # DualPipeV's resume (DeepSpeed's engine, the zero-bubble one) is tested bitwise in
-# test_reshard.py (dualpipev-zb on more, then fewer replicas) and test_comm_state.py;
-# its run here left the suite at its 25-minute budget.
+# test_reshard.py (dualpipev-zb on more, then fewer replicas) and test_comm_state.py, so it
+# has no case here.
 
 
 @pytest.mark.multirank
@@ -92,9 +62,9 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
             c["seekspeed"]["data"].update(pipeline="tiered", cache_dir=str(tmp_path / "cold"),
                                           hot_dir=str(tmp_path / "hot"), hot_budget_mb=8, rows_per_shard=512)
         c["seekspeed"].setdefault("moe", {})["expert_parallel_size"] = ep
-    cfg = _config(tmp_path, config, mutate)
+    cfg = write_config(tmp_path, config, mutate)
     full, sfull = tmp_path / "full", tmp_path / "full.json"
-    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "9", "--checkpoint-dir", str(full),
                            "--summary-json", str(sfull)],))
     assert [r[0] for r in res] == [0] * world, res
@@ -104,7 +74,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     shutil.copytree(full / "global_step6", part / "global_step6")
     (part / "latest").write_text("global_step6")
     spart = tmp_path / "part.json"
-    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "9", "--checkpoint-dir", str(part), "--resume",
                            "--summary-json", str(spart)],))
     assert [r[0] for r in res] == [0] * world, res
@@ -129,7 +99,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
     changed["train_micro_batch_size_per_gpu"] = 2
     other = tmp_path / "other.json"
     other.write_text(json.dumps(changed))
-    res = run_ranks(_trainer_rank, world_size=world, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=world, init_dist=False, timeout=300,
                     args=(["--deepspeed", str(other), "--steps", "9", "--checkpoint-dir", str(full), "--resume"],))
     assert [r[0] for r in res] == [2] * world, res
     lines = res[0][2].strip().splitlines()
@@ -140,8 +110,8 @@ def test_resume_continues_the_same_trajectory(tmp_path, case):
 def test_data_failure_on_every_rank_is_reported_once(tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1 this is not parquet PAR1")
-    cfg = _config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(source=str(bad)))
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    cfg = write_config(tmp_path, "tiny_cpu.json", lambda c: c["seekspeed"]["data"].update(source=str(bad)))
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--checkpoint-dir", str(tmp_path / "ckpt")],))
     assert [r[0] for r in res] == [2, 2], res
     lines = res[0][2].strip().splitlines()
@@ -153,7 +123,7 @@ def test_data_failure_on_every_rank_is_reported_once(tmp_path):
 @pytest.mark.e2e
 def test_torchrun_bidirectional_dualpipe_with_a_pipeline_trace(tmp_path):
     summary, trace = tmp_path / "s.json", tmp_path / "trace"
-    cfg = _config(tmp_path, "tiny_dualpipev_cpu.json", lambda c: c["seekspeed"].update(schedule="dualpipe"))
+    cfg = write_config(tmp_path, "tiny_dualpipev_cpu.json", lambda c: c["seekspeed"].update(schedule="dualpipe"))
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                  str(free_port()), TRAIN, "--deepspeed", cfg, "--steps", "3", "--checkpoint-dir",
                  str(tmp_path / "ckpt"), "--summary-json", str(summary), "--pipe-trace", str(trace)])
@@ -182,7 +152,7 @@ def test_empty_corpus_fails_in_one_line_and_writes_nothing(tmp_path):
     corpus = tmp_path / "empty.jsonl"
     corpus.write_text('{"text": ""}\n')
     ckpt = tmp_path / "ckpt"
-    cfg = _config(tmp_path, "tiny_1rank.json", lambda c: c["seekspeed"]["data"].update(source=str(corpus)))
+    cfg = write_config(tmp_path, "tiny_1rank.json", lambda c: c["seekspeed"]["data"].update(source=str(corpus)))
     proc = _run([sys.executable, TRAIN, "--deepspeed", cfg, "--checkpoint-dir", str(ckpt)])
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
@@ -200,7 +170,7 @@ def test_a_bad_optimizer_value_fails_before_anything_is_written(tmp_path):
     def mutate(c):
         c["optimizer"]["params"]["lr"] = "fast"
         c["seekspeed"]["report"] = {"dir": str(report)}
-    cfg = _config(tmp_path, "tiny_1rank.json", mutate)
+    cfg = write_config(tmp_path, "tiny_1rank.json", mutate)
     proc = _run([sys.executable, TRAIN, "--deepspeed", cfg, "--steps", "2", "--checkpoint-dir", str(ckpt)])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error")]
@@ -218,9 +188,9 @@ def test_bf16_with_fp32_accumulation_tracks_fp32(tmp_path):
         c["data_types"] = {"grad_accum_dtype": "fp32"}
     losses = {}
     for name, mutate in (("fp32", None), ("bf16", bf16)):
-        cfg = _config(tmp_path, "tiny_cpu.json", mutate)
+        cfg = write_config(tmp_path, "tiny_cpu.json", mutate)
         summary = tmp_path / f"{name}.json"
-        res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+        res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                         args=(["--deepspeed", cfg, "--steps", "5", "--checkpoint-dir", str(tmp_path / name),
                                "--summary-json", str(summary)],))
         assert [r[0] for r in res] == [0, 0], res
@@ -238,9 +208,9 @@ def test_mtp_loss_is_trained_and_reported_apart(tmp_path):
         c["seekspeed"]["recipe"]["overrides"] = {"num_mtp_layers": 1}
         c["seekspeed"]["mtp"] = {"loss_weight": 0.3}
         c["seekspeed"]["train"]["log_interval"] = 1
-    cfg = _config(tmp_path, "tiny_dualpipev_cpu.json", mtp)
+    cfg = write_config(tmp_path, "tiny_dualpipev_cpu.json", mtp)
     summary = tmp_path / "s.json"
-    res = run_ranks(_trainer_rank, world_size=2, init_dist=False, timeout=300,
+    res = run_ranks(trainer_rank, world_size=2, init_dist=False, timeout=300,
                     args=(["--deepspeed", cfg, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
                            "--summary-json", str(summary)],))
     assert [r[0] for r in res] == [0, 0], res
