@@ -183,6 +183,10 @@ class MoeSection:
     balance_loss_alpha: float = 0.0001
     # routed experts sharded over this many data-parallel ranks of each stage
     expert_parallel_size: int = 1
+    # how tokens reach their experts (recipes/layers/dispatch.py): "deduplicated" sends a
+    # token once per destination rank and sums its experts' outputs there; "every-copy"
+    # sends each of its top-k copies
+    dispatcher: str = "deduplicated"
 
     def check(self, where):
         for name in ("bias_update_speed", "balance_loss_alpha"):
@@ -190,6 +194,9 @@ class MoeSection:
                 raise ConfigError(f"{where}.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.expert_parallel_size < 1:
             raise ConfigError(f"{where}.expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.dispatcher not in ("deduplicated", "every-copy"):
+            raise ConfigError(f"{where}.dispatcher {self.dispatcher!r} is unknown: use \"deduplicated\" or "
+                              f"\"every-copy\"")
 
 
 @dataclass(kw_only=True)

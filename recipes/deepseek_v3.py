@@ -124,12 +124,12 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return SPEC.make_config(preset, overrides, where=where)
 
 
-def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None):
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_dispatcher="deduplicated"):
     """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final norm,
     head (recipes.layers.pipe.decoder_stack_specs; a new model changes the classes or
     the list here)."""
     return decoder_stack_specs(config, seed=seed, decoder=DecoderLayerPipe, mtp_layer=MTPLayerPipe, ep_size=ep_size,
-                               ep_rank=ep_rank, document_token=document_token)
+                               ep_rank=ep_rank, document_token=document_token, moe_dispatcher=moe_dispatcher)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

@@ -131,13 +131,13 @@ def _check_dsa(dsa_stage, indexer_kl_weight):
 
 
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, dsa_stage="sparse",
-                indexer_kl_weight=1.0):
+                indexer_kl_weight=1.0, moe_dispatcher="deduplicated"):
     """The model as DeepSpeed layer specs: embedding, DSA decoder layers, [MTP], final
     norm, head (recipes.layers.pipe.decoder_stack_specs with the DSA layer classes)."""
     _check_dsa(dsa_stage, indexer_kl_weight)
     return decoder_stack_specs(config, seed=seed, decoder=DSADecoderLayerPipe, mtp_layer=DSAMTPLayerPipe,
                                ep_size=ep_size, ep_rank=ep_rank, document_token=document_token, dsa_stage=dsa_stage,
-                               indexer_kl_weight=indexer_kl_weight)
+                               indexer_kl_weight=indexer_kl_weight, moe_dispatcher=moe_dispatcher)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

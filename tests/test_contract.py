@@ -122,7 +122,7 @@ def test_no_planner_function_needs_a_scroll_bar():
 
 def test_layer_rows_count_routed_experts_through_the_spec():
     """The rows' expert parameters equal the DeepSeekMoE blocks' own, counted here by
-    class (what the planner no longer does), and the activated parameters of a MoE layer
+    class (the planner itself asks the spec), and the activated parameters of a MoE layer
     keep top_k / n_routed_experts of them."""
     from ds_ext.planner.layers import layer_rows
     from recipes import get_recipe

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_ext.comm import alltoall
-from ds_ext.pipe.overlap import interleaving
 from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
+from .dispatch import check_dispatcher, dispatch_and_combine
 from .mlp import ACTIVATIONS, SwiGLU
 
 
@@ -408,14 +407,15 @@ class DeepSeekMoE(_moe_base()):
     # switch halves at them (ds_ext/pipe/overlap.py)
     async_all_to_all = True
 
-    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto"):
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto", dispatcher="deduplicated"):
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
         if c.n_routed_experts % ep_size:
             raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by expert_parallel_size {ep_size}")
         if experts_impl not in EXPERTS_IMPLS:
             raise ValueError(f"experts_impl {experts_impl!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
-        self.experts_impl = experts_impl
+        check_dispatcher(dispatcher)
+        self.experts_impl, self.dispatcher = experts_impl, dispatcher
         self.num_experts = c.n_routed_experts
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = c.n_routed_experts // ep_size
@@ -474,47 +474,18 @@ class DeepSeekMoE(_moe_base()):
                                f"this layer was built for: the rank layout is not pipe x data")
 
     def forward(self, x):
-        """Routed experts plus the shared expert. The token all-to-alls are asynchronous:
+        """Routed experts plus the shared expert, the tokens moved by this layer's
+        dispatcher (recipes/layers/dispatch.py). The token all-to-alls are asynchronous:
         the dispatch is in flight while the shared expert computes (forward, and in the
         backward the reverse dispatch while the shared expert's backward runs), and
         inside an interleaved F&B chunk (ds_ext.pipe.overlap) every dispatch and combine
-        lets the other micro-batch compute. Tokens are permuted once each way (a gather sorted by
-        expert before the dispatch, an index_add after the combine)."""
+        lets the other micro-batch compute."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
-        tokens, k = indices.shape
-        flat_experts = indices.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)        # by expert, so by destination rank
-        token_of = order // k
-        per_expert = torch.bincount(flat_experts, minlength=self.num_experts)
-        group = self.ep_group if self.ep_size > 1 else None
-        # Interleaved with another micro-batch's half (ds_ext/pipe/overlap.py), the counts
-        # exchange (a few bytes, but queued behind whatever the link still carries) and
-        # the dispatch each run behind that half, the shared expert before the counts are
-        # needed; alone, the shared expert covers the dispatch. Autograd adds the input's
-        # gradients in the same order either way.
-        interleaved = interleaving()
-        counts = alltoall.start(per_expert, out_splits=[self.num_local_experts] * self.ep_size,
-                                in_splits=[self.num_local_experts] * self.ep_size, group=group, label="F counts")
-        sent = flat[token_of]
-        if interleaved:
-            shared = self.shared_mlp(x)
-        counts = counts.wait().view(self.ep_size, self.num_local_experts)   # [source, local expert] counts
-        send_splits = per_expert.view(self.ep_size, -1).sum(1).tolist()
-        recv_splits = counts.sum(1).tolist()
-        route = dict(out_splits=recv_splits, in_splits=send_splits, group=group, label="dispatch")
-        slot = alltoall.Slot()
-        received = alltoall.dispatch(sent, slot, **route)
-        if not interleaved:
-            shared = self.shared_mlp(x)
-        received = alltoall.arrive(received, slot, **route)
-        outputs = self._run_experts(received, counts.tolist())
-        back = dict(out_splits=send_splits, in_splits=recv_splits, group=group, label="combine")
-        slot = alltoall.Slot()
-        outputs = alltoall.arrive(alltoall.dispatch(outputs, slot, **back), slot, **back)
-        scale = weights.reshape(-1)[order].unsqueeze(-1)
-        routed = torch.zeros_like(flat).index_add(0, token_of, (outputs * scale).to(flat.dtype))
+        routed, shared = dispatch_and_combine(self.dispatcher, flat, weights, indices, experts=self._run_experts,
+                                              shared=lambda: self.shared_mlp(x), num_experts=self.num_experts,
+                                              ep_size=self.ep_size, group=self.ep_group if self.ep_size > 1 else None)
         return routed.view(shape) + shared
 
     def _run_experts(self, received, counts):

@@ -109,7 +109,8 @@ class DecoderLayerPipe(nn.Module):
     def hf_prefix(config, *, layer_idx, **module_kwargs):
         return f"model.layers.{layer_idx}."
 
-    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None):
+    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None,
+                 moe_dispatcher="deduplicated"):
         super().__init__()
         self.layer_idx = layer_idx
         self.document_token = document_token      # attention stays inside documents (the ids travel along)
@@ -117,7 +118,7 @@ class DecoderLayerPipe(nn.Module):
         self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank)
+            self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank, dispatcher=moe_dispatcher)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
         seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
@@ -151,8 +152,9 @@ class MTPLayerPipe(DecoderLayerPipe):
     def hf_prefix(config, **module_kwargs):
         return f"model.layers.{config.num_hidden_layers}."
 
-    def __init__(self, config, *, seed, ep_size=1, ep_rank=0):
-        super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed, ep_size=ep_size, ep_rank=ep_rank)
+    def __init__(self, config, *, seed, ep_size=1, ep_rank=0, moe_dispatcher="deduplicated"):
+        super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed, ep_size=ep_size, ep_rank=ep_rank,
+                         moe_dispatcher=moe_dispatcher)
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
@@ -316,8 +318,10 @@ def build_pipeline(spec, config, *, num_stages=None, topology=None, schedule="1f
 
 def build_options(section):
     """build_pipeline's arguments read from the seekspeed section (RecipeSpec.build_options):
-    the MTP loss weight (seekspeed.mtp) and the expert-parallel degree (seekspeed.moe)."""
-    return {"mtp_loss_weight": section.mtp.loss_weight, "expert_parallel_size": section.moe.expert_parallel_size}
+    the MTP loss weight (seekspeed.mtp), the expert-parallel degree and the MoE layers'
+    token dispatcher (seekspeed.moe; a layer option, passed on to layer_specs)."""
+    return {"mtp_loss_weight": section.mtp.loss_weight, "expert_parallel_size": section.moe.expert_parallel_size,
+            "moe_dispatcher": section.moe.dispatcher}
 
 
 def expert_parallel_rank(*, stages, ep_size):

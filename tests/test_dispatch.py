@@ -1,0 +1,155 @@
+"""The MoE layer's two token dispatchers (recipes/layers/dispatch.py) on 4 gloo ranks,
+one DeepSeekMoE layer per rank with the same weights, each rank its own tokens, the
+same output gradient given to both dispatchers:
+
+- top-2 (tiny-moe's routing) at expert parallelism 2 and 4, fp32 and bf16, and top-8 of
+  32 experts at expert parallelism 1: the two dispatchers' outputs, input gradients and
+  every parameter gradient are bitwise equal (with at most two copies per token, or one
+  rank, a token's sum is the same floating-point operations in both associations);
+- top-8 of 32 experts, 4 groups of which 2 chosen (V3's routing shape) at expert
+  parallelism 4: the expert and router gradients are bitwise equal (each copy's
+  gradient is the same product in both), the outputs differ only by the association of
+  a token's sum of k weighted expert outputs: each association is within
+  gamma(k - 1) sum_i |w_i y_i| of the exact sum (tests/numerics.py), so the two are
+  within twice that;
+- what crosses to other ranks, counted by ``wire_bytes`` and checked against the
+  routing: every-copy moves each away copy twice (dispatch and combine), deduplicated
+  each (token, destination rank) row twice plus 8 bytes per away copy.
+Multi-rank; about 20 s on 2 cores.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.numerics import BF16, gamma
+
+TOKENS, HIDDEN, INTER = 24, 64, 32
+TOP2 = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)
+TOP8 = dict(n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2)
+
+
+def _layer(routing, *, dispatcher, ep, ep_rank, group, dtype):
+    from recipes import deepseek_v3
+    from recipes.layers.moe import DeepSeekMoE
+    config = deepseek_v3.make_config("tiny-moe", {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, **routing})
+    layer = DeepSeekMoE(config, ep_size=ep, ep_rank=ep_rank, dispatcher=dispatcher, experts_impl="loop")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "deepspeed_moe" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    layer.init_experts(seed=3, std=0.2)
+    layer.ep_group = group
+    return layer.to(dtype).train()
+
+
+def _run(layer, x, grad):
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    out.backward(grad)
+    # as fp32 (exact for bf16 values): the results travel back as numpy arrays
+    return out.detach().float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()}
+
+
+def _groups(ep):
+    from deepspeed import comm as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = None
+    for first in range(0, world, ep):
+        g = dist.new_group(list(range(first, first + ep)))
+        if first <= rank < first + ep:
+            mine = g
+    return mine, rank % ep
+
+
+def _compare(routing, ep, dtype):
+    """Both dispatchers' results on this rank: (output, input grad, param grads) each."""
+    from deepspeed import comm as dist
+    group, ep_rank = _groups(ep) if ep > 1 else (None, 0)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(2, TOKENS // 2, HIDDEN, generator=g).to(dtype)
+    grad = torch.randn(2, TOKENS // 2, HIDDEN, generator=g).to(dtype)
+    out = {}
+    for name in ("every-copy", "deduplicated"):
+        layer = _layer(routing, dispatcher=name, ep=ep, ep_rank=ep_rank, group=group, dtype=dtype)
+        out[name] = _run(layer, x, grad)
+    # sum_i w_i |y_i| per token (the weights are positive): the every-copy layer with its
+    # experts' outputs taken absolute
+    layer = _layer(routing, dispatcher="every-copy", ep=ep, ep_rank=ep_rank, group=group, dtype=dtype)
+    run = layer._run_experts
+    layer._run_experts = lambda rows, counts: run(rows, counts).abs()
+    layer.shared_mlp.forward = lambda h: torch.zeros_like(h)
+    with torch.no_grad():
+        out["abs_sum"] = layer(x).float()
+    return out
+
+
+def _rank(cases):
+    return {key: _compare(*case) for key, case in cases.items()}
+
+
+def _cases():
+    return {"top2-ep2-fp32": (TOP2, 2, torch.float32), "top2-ep4-fp32": (TOP2, 4, torch.float32),
+            "top2-ep4-bf16": (TOP2, 4, torch.bfloat16), "top8-ep1-fp32": (TOP8, 1, torch.float32),
+            "top8-ep4-fp32": (TOP8, 4, torch.float32), "top8-ep4-bf16": (TOP8, 4, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_rank, world_size=4, args=(_cases(),))
+
+
+def _bitwise(a, b, what):
+    import numpy as np
+    assert np.array_equal(a[0], b[0]), f"{what}: outputs differ"
+    assert np.array_equal(a[1], b[1]), f"{what}: input gradients differ"
+    assert set(a[2]) == set(b[2])
+    for name in a[2]:
+        assert np.array_equal(a[2][name], b[2][name]), f"{what}: gradient of {name} differs"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["top2-ep2-fp32", "top2-ep4-fp32", "top2-ep4-bf16", "top8-ep1-fp32"])
+def test_dispatchers_bitwise_equal_where_the_sums_associate_alike(results, key):
+    for rank, res in enumerate(results):
+        _bitwise(res[key]["every-copy"], res[key]["deduplicated"], f"{key} rank {rank}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key,unit", [("top8-ep4-fp32", "fp32"), ("top8-ep4-bf16", "bf16")])
+def test_top8_across_ranks_differs_only_by_the_sums_association(results, key, unit):
+    import numpy as np
+    k = TOP8["num_experts_per_tok"]
+    dtype = np.float32 if unit == "fp32" else BF16
+    differed = 0
+    for rank, res in enumerate(results):
+        a, b = res[key]["every-copy"], res[key]["deduplicated"]
+        for name in a[2]:
+            if "deepspeed_moe" in name or name.startswith("gate."):
+                assert np.array_equal(a[2][name], b[2][name]), f"{key} rank {rank}: gradient of {name} differs"
+        # each association is within gamma(k - 1) S of the exact sum, S = sum_i |w_i y_i|
+        # (in bf16 each weighted term is rounded to bf16 alike in both, then added in
+        # bf16); S is computed in the case's dtype with k roundings, so S <= S_computed /
+        # (1 - gamma(k)); the layer then adds the shared expert, one more rounding of
+        # each side: |fl(a + s) - fl(b + s)| <= |a - b| + u (|out_a| + |out_b|)
+        u = gamma(1, dtype)
+        s = np.asarray(res[key]["abs_sum"], dtype=np.float64) / (1 - gamma(k, dtype))
+        out_a, out_b = np.asarray(a[0], dtype=np.float64), np.asarray(b[0], dtype=np.float64)
+        bound = 2 * gamma(k - 1, dtype) * s + u * (np.abs(out_a) + np.abs(out_b))
+        err = np.abs(out_a - out_b)
+        assert (err <= bound).all(), f"{key} rank {rank}: worst {err.max():.3e} over its bound {bound.max():.3e}"
+        differed += int((err > 0).sum())
+    # the associations really differ somewhere (else the bitwise test above covers it)
+    assert differed > 0
+
+
+@pytest.mark.multirank
+def test_wire_bytes_follow_the_routing(results):
+    from recipes.layers.dispatch import wire_bytes
+    idx = torch.tensor([[0, 1], [0, 2], [1, 3], [2, 3]])      # 4 experts on 2 ranks (0, 1 | 2, 3)
+    every = wire_bytes("every-copy", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, rank=0)
+    dedup = wire_bytes("deduplicated", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, rank=0)
+    # away copies: 2 (token 1), 3 (token 2), 2 and 3 (token 3) -> 4 copies, 3 rows
+    assert every == {"dispatch": 4 * 8, "combine": 4 * 8, "copies_out": 4, "rows_out": 4}
+    assert dedup == {"dispatch": 3 * 8 + 4 * 8, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
