@@ -144,12 +144,11 @@ def test_top8_across_ranks_differs_only_by_the_sums_association(results, key, un
     assert differed > 0
 
 
-@pytest.mark.multirank
-def test_wire_bytes_follow_the_routing(results):
+def test_wire_bytes_follow_the_routing():
     from recipes.layers.dispatch import wire_bytes
     idx = torch.tensor([[0, 1], [0, 2], [1, 3], [2, 3]])      # 4 experts on 2 ranks (0, 1 | 2, 3)
-    every = wire_bytes("every-copy", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, rank=0)
-    dedup = wire_bytes("deduplicated", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, rank=0)
+    every = wire_bytes("every-copy", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, counted=[False, True])
+    dedup = wire_bytes("deduplicated", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, counted=[False, True])
     # away copies: 2 (token 1), 3 (token 2), 2 and 3 (token 3) -> 4 copies, 3 rows
     assert every == {"dispatch": 4 * 8, "combine": 4 * 8, "copies_out": 4, "rows_out": 4}
     assert dedup == {"dispatch": 3 * 8 + 4 * 8, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}

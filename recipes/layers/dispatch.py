@@ -160,23 +160,21 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     return routed, out_shared
 
 
-def wire_bytes(name, indices, *, hidden, element_size, num_experts, ep_size, rank):
-    """What rank ``rank`` sends to other ranks for one dispatch and its combine under
-    dispatcher ``name``, counted from the routing (``indices`` [T, k], this rank's
-    tokens): {"dispatch": bytes, "combine": bytes, "copies_out": copies sent away,
-    "rows_out": rows sent away}. The counts exchange (a few integers per rank) is left out."""
-    num_local = num_experts // ep_size
-    dest = indices // num_local                                             # [T, k]
-    away = dest != rank
-    copies_out = int(away.sum())
+def wire_bytes(name, indices, *, hidden, element_size, num_experts, ep_size, counted):
+    """What one rank sends to the ranks ``counted`` marks (a bool per rank of the
+    expert-parallel group: e.g. those on other nodes) for one forward dispatch and its
+    combine under dispatcher ``name``, counted from its routing ``indices`` [T, k]:
+    {"dispatch": bytes, "combine": bytes, "copies_out": copies sent there, "rows_out":
+    rows sent there}. The counts exchange (a few integers per rank) is left out."""
+    dest = indices // (num_experts // ep_size)                               # [T, k]
+    far = torch.as_tensor(counted, dtype=torch.bool)
+    copies_out = int(far[dest].sum())
+    row = hidden * element_size
     if name == "every-copy":
-        row = hidden * element_size
         return {"dispatch": copies_out * row, "combine": copies_out * row, "copies_out": copies_out,
                 "rows_out": copies_out}
     hit = torch.zeros(indices.shape[0], ep_size, dtype=torch.bool)
     hit.scatter_(1, dest, True)
-    hit[:, rank] = False
-    rows_out = int(hit.sum())
-    row = hidden * element_size
+    rows_out = int((hit & far).sum())
     return {"dispatch": rows_out * row + copies_out * 8, "combine": rows_out * row, "copies_out": copies_out,
             "rows_out": rows_out}
