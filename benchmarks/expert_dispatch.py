@@ -7,7 +7,9 @@ the nodes of launch/simcluster.py, each node's link shaped to ``--rate``), each 
 its own tokens (``--tokens`` per rank). Two routings: the tiny-moe shape (top-2 of 8
 experts, 4 groups of which 2 chosen) and a V3-like one (top-8 of 32 experts, 4 groups,
 2 chosen); dispatchers every-copy and deduplicated (recipes/layers/dispatch.py), payload
-fp32 and bf16 (the activation dtype; the layer runs in it). All layers live in the
+fp32 and bf16 (the activation dtype; the layer runs in it) and fp8 (bf16 activations, the
+dispatched rows as e4m3 with a scale per 128 channels; "vs every" compares it with
+every-copy in bf16, today's dispatch of that run). All layers live in the
 same processes and are timed in turn, step after step, so noise hits them alike.
 
 Per row (medians over --steps after --warmup; the slowest rank's layer time, the ranks'
@@ -36,12 +38,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures  # noqa: E402
+from benchmarks import machine_line, write_figures
 
 ROUTINGS = {"tiny-moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2),
             "v3-like": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2)}
 DISPATCHERS = ("every-copy", "deduplicated")
-PAYLOADS = ("fp32", "bf16")
+PAYLOADS = ("fp32", "bf16", "fp8")      # fp8: bf16 activations, the dispatched rows in e4m3
 
 
 class _Lanes:
@@ -69,7 +71,7 @@ def _ranks(args):
     from deepspeed import comm as dist
     from ds_ext.comm import alltoall
     from recipes import deepseek_v3
-    from recipes.layers.dispatch import wire_bytes
+    from recipes.layers.dispatch import Dispatch, wire_bytes
     from recipes.layers.moe import DeepSeekMoE
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo")
@@ -82,11 +84,12 @@ def _ranks(args):
                                                       **fields})
         for payload in PAYLOADS:
             dtype = torch.float32 if payload == "fp32" else torch.bfloat16
+            sends = "fp8" if payload == "fp8" else None
             g = torch.Generator().manual_seed(1000 + rank)
             inputs[(routing, payload)] = (torch.randn(1, args.tokens, args.hidden, generator=g).to(dtype),
                                           torch.randn(1, args.tokens, args.hidden, generator=g).to(dtype))
             for name in DISPATCHERS:
-                layer = DeepSeekMoE(config, ep_size=world, ep_rank=rank, dispatcher=name)
+                layer = DeepSeekMoE(config, ep_size=world, ep_rank=rank, dispatch=Dispatch(name, sends))
                 g = torch.Generator().manual_seed(7)
                 with torch.no_grad():
                     for pname, p in layer.named_parameters():
@@ -123,7 +126,7 @@ def _ranks(args):
         with torch.no_grad():
             _, indices = layer.gate(x.reshape(-1, args.hidden).float())
         far = [node_of[r] != node_of[rank] for r in range(world)]
-        b = wire_bytes(key[1], indices, hidden=args.hidden, element_size=x.element_size(),
+        b = wire_bytes(layer.dispatch, indices, hidden=args.hidden, element_size=x.element_size(),
                        num_experts=layer.num_experts, ep_size=world, counted=far)
         sent[key] = (b["dispatch"] + b["combine"]) / args.tokens
     keys = list(layers)
@@ -224,7 +227,7 @@ def main():
     print(f"{'routing':<9} {'dispatcher':<13} {'payload':<7} {'B/token off-node':>16} {'vs every':>8} "
           f"{'dispatch ms':>11} {'combine ms':>10} {'d+c vs every':>12} {'layer ms':>9} {'vs every':>8}")
     for r in rows:
-        base = by[(r["routing"], "every-copy", r["payload"])]
+        base = by[(r["routing"], "every-copy", "bf16" if r["payload"] == "fp8" else r["payload"])]
         r["bytes_vs_every_copy"] = r["cross_node_bytes_per_token"] / base["cross_node_bytes_per_token"]
         r["dispatch_combine_speedup"] = ((base["dispatch_ms"] + base["combine_ms"])
                                          / (r["dispatch_ms"] + r["combine_ms"]))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .pipe import check_micro_batches, check_schedule
-from .precision import check_precision
+from .precision import check_dispatch_dtype, check_precision
 from .sections import SECTION
 
 
@@ -193,6 +193,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
     check_micro_batches(layout.schedule, stages=stages, micro_batches=layout.grad_accum)
     check_precision(ds, schedule=layout.schedule, zero=zero)
     check_momentum_target(ds, section.comm)
+    check_dispatch_dtype(ds, section.moe)
     check_overlap_grad_reduce(ds, section, zero=zero)
     ep = section.moe.expert_parallel_size
     if dp % ep:

@@ -51,3 +51,19 @@ def check_precision(ds, *, schedule, zero):
                           f"zero_optimization.stage 1{' (BF16 optimizer)' if bf16_optimizer else ''} or remove "
                           f"data_types.grad_accum_dtype")
     spec.check_precision(model=model, accum=accum)
+
+
+_DTYPE_NAMES = {"fp32": ("fp32", "float32"), "bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
+
+
+def check_dispatch_dtype(ds, moe, where="seekspeed.moe"):
+    """``moe.dispatch_dtype``: unset, the activation dtype's name, or "fp8"; returns the
+    layer's payload (None for the activation dtype, or "fp8")."""
+    model, _ = _dtypes(ds)
+    value = moe.dispatch_dtype
+    if value is None or value == "fp8":
+        return value
+    if value in _DTYPE_NAMES[model]:
+        return None
+    raise ConfigError(f"{where}.dispatch_dtype {value!r}: the dispatch sends the activation dtype ({model}) or fp8: "
+                      f"set it to \"{model}\" (or leave it unset) or \"fp8\"")

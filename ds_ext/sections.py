@@ -187,6 +187,9 @@ class MoeSection:
     # token once per destination rank and sums its experts' outputs there; "every-copy"
     # sends each of its top-k copies
     dispatcher: str = "deduplicated"
+    # the dispatched rows' dtype: unset (the activation dtype) or "fp8" (e4m3, an fp32 scale
+    # per 128 channels; the combine stays in the activation dtype)
+    dispatch_dtype: str | None = None
 
     def check(self, where):
         for name in ("bias_update_speed", "balance_loss_alpha"):

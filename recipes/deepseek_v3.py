@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
 from recipes.layers import checks, costs, moe, pipe
+from recipes.layers.dispatch import DEFAULT_DISPATCH
 from recipes.layers.latent_kv import MLADecoder
 from recipes.layers.pipe import CausalLMLoss, DecoderLayerPipe, MTPLayerPipe, decoder_stack_specs
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
@@ -124,12 +125,12 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return SPEC.make_config(preset, overrides, where=where)
 
 
-def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_dispatcher="deduplicated"):
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_dispatch=DEFAULT_DISPATCH):
     """The model as DeepSpeed layer specs: embedding, decoder layers, [MTP], final norm,
     head (recipes.layers.pipe.decoder_stack_specs; a new model changes the classes or
     the list here)."""
     return decoder_stack_specs(config, seed=seed, decoder=DecoderLayerPipe, mtp_layer=MTPLayerPipe, ep_size=ep_size,
-                               ep_rank=ep_rank, document_token=document_token, moe_dispatcher=moe_dispatcher)
+                               ep_rank=ep_rank, document_token=document_token, moe_dispatch=moe_dispatch)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

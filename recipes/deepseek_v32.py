@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
 from recipes.layers import checks, costs, dsa, moe, pipe
+from recipes.layers.dispatch import DEFAULT_DISPATCH
 from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
 from recipes.layers.pipe import CausalLMLoss, decoder_stack_specs
 from recipes.spec import PlannerCosts, RecipeSpec, StepFigures, StepHook, TransformersAdapter
@@ -131,13 +132,13 @@ def _check_dsa(dsa_stage, indexer_kl_weight):
 
 
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, dsa_stage="sparse",
-                indexer_kl_weight=1.0, moe_dispatcher="deduplicated"):
+                indexer_kl_weight=1.0, moe_dispatch=DEFAULT_DISPATCH):
     """The model as DeepSpeed layer specs: embedding, DSA decoder layers, [MTP], final
     norm, head (recipes.layers.pipe.decoder_stack_specs with the DSA layer classes)."""
     _check_dsa(dsa_stage, indexer_kl_weight)
     return decoder_stack_specs(config, seed=seed, decoder=DSADecoderLayerPipe, mtp_layer=DSAMTPLayerPipe,
                                ep_size=ep_size, ep_rank=ep_rank, document_token=document_token, dsa_stage=dsa_stage,
-                               indexer_kl_weight=indexer_kl_weight, moe_dispatcher=moe_dispatcher)
+                               indexer_kl_weight=indexer_kl_weight, moe_dispatch=moe_dispatch)
 
 
 DEFAULT_PARTITION = "type:DecoderLayerPipe"

@@ -24,16 +24,18 @@ import torch
 from tests.distributed import run_ranks
 from tests.numerics import BF16, gamma
 
-TOKENS, HIDDEN, INTER = 24, 64, 32
+TOKENS, HIDDEN, INTER = 24, 128, 32       # hidden a multiple of 128: the fp8 payload's tiles
 TOP2 = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)
 TOP8 = dict(n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2)
 
 
-def _layer(routing, *, dispatcher, ep, ep_rank, group, dtype):
+def _layer(routing, *, dispatcher, ep, ep_rank, group, dtype, payload=None):
     from recipes import deepseek_v3
+    from recipes.layers.dispatch import Dispatch
     from recipes.layers.moe import DeepSeekMoE
     config = deepseek_v3.make_config("tiny-moe", {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, **routing})
-    layer = DeepSeekMoE(config, ep_size=ep, ep_rank=ep_rank, dispatcher=dispatcher, experts_impl="loop")
+    layer = DeepSeekMoE(config, ep_size=ep, ep_rank=ep_rank, dispatch=Dispatch(dispatcher, payload),
+                        experts_impl="loop")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -63,7 +65,7 @@ def _groups(ep):
     return mine, rank % ep
 
 
-def _compare(routing, ep, dtype):
+def _compare(routing, ep, dtype, payload=None):
     """Both dispatchers' results on this rank: (output, input grad, param grads) each."""
     from deepspeed import comm as dist
     group, ep_rank = _groups(ep) if ep > 1 else (None, 0)
@@ -72,7 +74,7 @@ def _compare(routing, ep, dtype):
     grad = torch.randn(2, TOKENS // 2, HIDDEN, generator=g).to(dtype)
     out = {}
     for name in ("every-copy", "deduplicated"):
-        layer = _layer(routing, dispatcher=name, ep=ep, ep_rank=ep_rank, group=group, dtype=dtype)
+        layer = _layer(routing, dispatcher=name, ep=ep, ep_rank=ep_rank, group=group, dtype=dtype, payload=payload)
         out[name] = _run(layer, x, grad)
     # sum_i w_i |y_i| per token (the weights are positive): the every-copy layer with its
     # experts' outputs taken absolute
@@ -91,7 +93,8 @@ def _rank(cases):
 
 def _cases():
     return {"top2-ep2-fp32": (TOP2, 2, torch.float32), "top2-ep4-fp32": (TOP2, 4, torch.float32),
-            "top2-ep4-bf16": (TOP2, 4, torch.bfloat16), "top8-ep1-fp32": (TOP8, 1, torch.float32),
+            "top2-ep4-bf16": (TOP2, 4, torch.bfloat16), "top2-ep4-fp8": (TOP2, 4, torch.bfloat16, "fp8"),
+            "top8-ep1-fp32": (TOP8, 1, torch.float32),
             "top8-ep4-fp32": (TOP8, 4, torch.float32), "top8-ep4-bf16": (TOP8, 4, torch.bfloat16)}
 
 
@@ -110,7 +113,7 @@ def _bitwise(a, b, what):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["top2-ep2-fp32", "top2-ep4-fp32", "top2-ep4-bf16", "top8-ep1-fp32"])
+@pytest.mark.parametrize("key", ["top2-ep2-fp32", "top2-ep4-fp32", "top2-ep4-bf16", "top2-ep4-fp8", "top8-ep1-fp32"])
 def test_dispatchers_bitwise_equal_where_the_sums_associate_alike(results, key):
     for rank, res in enumerate(results):
         _bitwise(res[key]["every-copy"], res[key]["deduplicated"], f"{key} rank {rank}")
@@ -145,10 +148,80 @@ def test_top8_across_ranks_differs_only_by_the_sums_association(results, key, un
 
 
 def test_wire_bytes_follow_the_routing():
-    from recipes.layers.dispatch import wire_bytes
+    from recipes.layers.dispatch import Dispatch, wire_bytes
     idx = torch.tensor([[0, 1], [0, 2], [1, 3], [2, 3]])      # 4 experts on 2 ranks (0, 1 | 2, 3)
-    every = wire_bytes("every-copy", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, counted=[False, True])
-    dedup = wire_bytes("deduplicated", idx, hidden=4, element_size=2, num_experts=4, ep_size=2, counted=[False, True])
+    kw = dict(hidden=4, element_size=2, num_experts=4, ep_size=2, counted=[False, True])
+    every = wire_bytes(Dispatch("every-copy"), idx, **kw)
+    dedup = wire_bytes(Dispatch("deduplicated"), idx, **kw)
     # away copies: 2 (token 1), 3 (token 2), 2 and 3 (token 3) -> 4 copies, 3 rows
     assert every == {"dispatch": 4 * 8, "combine": 4 * 8, "copies_out": 4, "rows_out": 4}
     assert dedup == {"dispatch": 3 * 8 + 4 * 8, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_rows_within_their_derived_bound(dtype):
+    """decode(encode(x)) against x on rows with a wide dynamic range (tiles of 1e-6 to
+    1e3, an all-zero tile, signed): inside ds_ext/comm/fp8.py's elementwise bound, and
+    the bound is not loose by orders of magnitude (its worst ratio is used)."""
+    import numpy as np
+    from ds_ext.comm import fp8
+    from tests.numerics import assert_within
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 512, generator=g) * torch.logspace(-6, 3, 16).unsqueeze(1)
+    x[3, 128:256] = 0.0
+    x = x.to(dtype)
+    raw = fp8.encode(x)
+    assert raw.dtype == torch.uint8 and raw.shape == (16, fp8.row_bytes(512))
+    back = fp8.decode(raw, dtype=dtype)
+    assert back.dtype == dtype and torch.equal(back[3, 128:256], x[3, 128:256])
+    used = assert_within(back.double().numpy(), x.double().numpy(), fp8.error_bound(x, dtype=dtype).numpy(),
+                         what=f"fp8 round trip ({dtype})")
+    assert used > 0.25, used          # the worst element uses a fair part of its bound
+    assert np.isfinite(back.float().numpy()).all()
+
+
+def test_bad_dispatch_settings_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from ds_ext.errors import ConfigError
+    from ds_ext.precision import check_dispatch_dtype
+    from recipes.layers.dispatch import Dispatch
+    with pytest.raises(ConfigError, match=r"seekspeed.moe.dispatcher 'all' is unknown: use one of"):
+        Dispatch("all").check(hidden_size=128)
+    with pytest.raises(ConfigError, match=r"hidden_size 96 is not a multiple of 128"):
+        Dispatch(payload="fp8").check(hidden_size=96)
+    bf16 = {"bf16": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"seekspeed.moe.dispatch_dtype 'fp16': .* activation dtype \(bf16\) or fp8"):
+        check_dispatch_dtype(bf16, SimpleNamespace(dispatch_dtype="fp16"))
+    assert check_dispatch_dtype(bf16, SimpleNamespace(dispatch_dtype="bf16")) is None
+    assert check_dispatch_dtype({}, SimpleNamespace(dispatch_dtype="fp8")) == "fp8"
+    with pytest.raises(ConfigError, match=r"activation dtype \(fp32\)"):
+        check_dispatch_dtype({}, SimpleNamespace(dispatch_dtype="bf16"))
+
+
+def test_node_limited_routing_bounds_the_nodes_a_token_reaches():
+    """V3's group-limited routing (4 groups of 8 of 32 experts, 2 groups per token) on
+    expert-parallel groups laid out over nodes: where each group's experts lie on one
+    node, no token reaches more than topk_group nodes (checked on a random router's
+    choices for 512 tokens); a layout whose groups straddle nodes is refused in one line
+    naming n_group and the fix."""
+    from ds_ext.errors import ConfigError
+    from recipes import deepseek_v3
+    from recipes.layers.dispatch import check_node_limited
+    from recipes.layers.moe import TopkRouter
+    config = deepseek_v3.make_config("tiny-moe", {"hidden_size": HIDDEN, **TOP8})
+    router = TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+    _, indices = router(torch.randn(512, HIDDEN, generator=g))
+    for ranks, nodes in ((4, [0, 1, 2, 3]), (8, [0, 0, 1, 1, 2, 2, 3, 3]), (8, [0, 0, 0, 0, 1, 1, 1, 1]),
+                         (4, [0, 0, 1, 1])):
+        bound = check_node_limited(router, group_nodes=nodes)
+        assert bound == min(TOP8["topk_group"], len(set(nodes)))
+        node = torch.tensor(nodes)[indices // (TOP8["n_routed_experts"] // ranks)]          # [T, k]
+        reached = max(len(set(row.tolist())) for row in node)
+        assert reached <= bound, (nodes, reached)
+    with pytest.raises(ConfigError, match=r"^node-limited routing: n_group 4 makes groups of 8 experts, and group 0 "
+                                          r"lies on nodes \[0, 1\] .* make n_group a multiple of 8"):
+        check_node_limited(router, group_nodes=list(range(8)))

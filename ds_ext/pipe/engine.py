@@ -484,6 +484,7 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
                         config=config, config_class=config_class, **extra)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
+    engine.node_of = node_of        # each global rank's node, when the topology plan knows them (recipes' step hooks)
     # CPU FusedAdam's beta powers from the step, not from the process's history: a
     # resumed run then steps bitwise as the uninterrupted one (ds_ext/checkpoint/adam_history.py)
     from ds_ext.checkpoint.adam_history import install as history_free_adam

@@ -26,38 +26,76 @@ for each association (u the dtype's unit roundoff). The same holds for the input
 gradient, a sum over the same copies. The expert-parallel-degree invariance of the
 layer (test_expert_parallel.py) holds for deduplicated where the two associations agree.
 
+Payload (``Dispatch.payload``): the activation dtype, or "fp8": the dispatched rows as
+e4m3 with an fp32 scale per 128 channels (ds_ext/comm/fp8.py, its error bound there),
+decoded on arrival; the routing, the combine and the backward stay in their own dtypes,
+as DeepSeek-V3 does.
+
 Both keep the asynchronous structure ds_ext.comm.alltoall gives: the counts exchange,
 then the dispatch in flight while the shared expert computes (or, interleaved with
 another micro-batch's half, ds_ext.pipe.overlap, behind that half), the combine after
 the experts; the backward runs the reverse exchanges.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from ds_ext.comm import alltoall
+from ds_ext.comm import alltoall, fp8
+from ds_ext.errors import ConfigError
 from ds_ext.pipe.overlap import interleaving
 
 DISPATCHERS = ("deduplicated", "every-copy")
+PAYLOADS = (None, "fp8")        # None: the activation dtype
 
 # deduplicated's per-copy routing travels as fp32 (weight, row): a row index is exact in
 # fp32 below 2**24
 _MAX_ROWS = 2**24
 
 
-def check_dispatcher(name):
-    if name not in DISPATCHERS:
-        raise ValueError(f"seekspeed.moe.dispatcher {name!r} is unknown: use one of {list(DISPATCHERS)}")
+@dataclass(frozen=True)
+class Dispatch:
+    """A MoE layer's dispatch: the dispatcher (``seekspeed.moe.dispatcher``) and the
+    payload of the dispatched rows (``seekspeed.moe.dispatch_dtype``: None for the
+    activation dtype, or "fp8")."""
+    name: str = "deduplicated"
+    payload: str | None = None
+
+    def check(self, *, hidden_size, device="cpu"):
+        if self.name not in DISPATCHERS:
+            raise ConfigError(f"seekspeed.moe.dispatcher {self.name!r} is unknown: use one of {list(DISPATCHERS)}")
+        if self.payload not in PAYLOADS:
+            raise ConfigError(f"seekspeed.moe.dispatch_dtype {self.payload!r} is not one this layer sends: leave it "
+                              f"unset (the activation dtype) or set \"fp8\"")
+        if self.payload == "fp8":
+            if hidden_size % fp8.BLOCK:
+                raise ConfigError(f"seekspeed.moe.dispatch_dtype \"fp8\" scales every {fp8.BLOCK} channels and "
+                                  f"hidden_size {hidden_size} is not a multiple of {fp8.BLOCK}: leave dispatch_dtype "
+                                  f"unset or use a hidden size divisible by {fp8.BLOCK}")
+            why = fp8.unsupported(device)
+            if why:
+                raise ConfigError(f"seekspeed.moe.dispatch_dtype \"fp8\" needs float8_e4m3fn here and {why}: leave "
+                                  f"dispatch_dtype unset or use a torch build with float8 support")
+
+    def codec(self, dtype):
+        return fp8.Fp8Rows(dtype) if self.payload == "fp8" else None
+
+    def row_bytes(self, hidden, element_size):
+        return fp8.row_bytes(hidden) if self.payload == "fp8" else hidden * element_size
 
 
-def dispatch_and_combine(name, flat, weights, indices, *, experts, shared, num_experts, ep_size, group):
+DEFAULT_DISPATCH = Dispatch()
+
+
+def dispatch_and_combine(dispatch, flat, weights, indices, *, experts, shared, num_experts, ep_size, group):
     """The routed experts' weighted sum for each row of ``flat`` [T, H] (``weights``,
-    ``indices`` [T, k] from the router) plus ``shared()``, the shared expert's output,
-    computed while the dispatch is in flight. ``experts(rows, counts)`` runs this rank's
+    ``indices`` [T, k] from the router), moved as ``dispatch`` (a Dispatch) says, plus
+    ``shared()``, the shared expert's output, computed while the dispatch is in flight. ``experts(rows, counts)`` runs this rank's
     experts on rows grouped by source rank, then by local expert, ``counts[source][j]``
     rows each. Returns (routed [T, H], shared's output)."""
-    run = _every_copy if name == "every-copy" else _deduplicated
+    run = _every_copy if dispatch.name == "every-copy" else _deduplicated
     return run(flat, weights, indices, experts=experts, shared=shared, num_local=num_experts // ep_size,
-               ep_size=ep_size, group=group)
+               ep_size=ep_size, group=group, codec=dispatch.codec(flat.dtype))
 
 
 def _by_expert(indices):
@@ -68,7 +106,7 @@ def _by_expert(indices):
     return order, order // k
 
 
-def _every_copy(flat, weights, indices, *, experts, shared, num_local, ep_size, group):
+def _every_copy(flat, weights, indices, *, experts, shared, num_local, ep_size, group, codec):
     order, token_of = _by_expert(indices)
     per_expert = torch.bincount(indices.reshape(-1), minlength=num_local * ep_size)
     # Interleaved with another micro-batch's half (ds_ext/pipe/overlap.py), the counts
@@ -85,7 +123,7 @@ def _every_copy(flat, weights, indices, *, experts, shared, num_local, ep_size, 
     counts = counts.wait().view(ep_size, num_local)        # [source, local expert] counts
     send_splits = per_expert.view(ep_size, -1).sum(1).tolist()
     recv_splits = counts.sum(1).tolist()
-    route = dict(out_splits=recv_splits, in_splits=send_splits, group=group, label="dispatch")
+    route = dict(out_splits=recv_splits, in_splits=send_splits, group=group, label="dispatch", codec=codec)
     slot = alltoall.Slot()
     received = alltoall.dispatch(sent, slot, **route)
     if not interleaved:
@@ -113,7 +151,7 @@ def _rows(indices, order, token_of, *, num_local, ep_size):
     return keys % tokens, rows_to, row_of_copy - first_row[dest]
 
 
-def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size, group):
+def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size, group, codec):
     tokens = flat.shape[0]
     if tokens >= _MAX_ROWS:
         raise ValueError(f"the deduplicated dispatcher carries row indices as fp32, exact below {_MAX_ROWS} rows; "
@@ -135,7 +173,7 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     header = counts.wait().view(ep_size, width)
     counts, rows_in = header[:, :num_local], header[:, num_local]
     copies_in = counts.sum(1)
-    rows = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label="dispatch")
+    rows = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label="dispatch", codec=codec)
     copies = dict(out_splits=copies_in.tolist(), in_splits=per_expert.sum(1).tolist(), group=group,
                   label="dispatch routing")
     row_slot, copy_slot = alltoall.Slot(), alltoall.Slot()
@@ -160,21 +198,43 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     return routed, out_shared
 
 
-def wire_bytes(name, indices, *, hidden, element_size, num_experts, ep_size, counted):
+def check_node_limited(router, *, group_nodes):
+    """Group-limited routing (``n_group`` groups of consecutive experts, ``topk_group``
+    of them chosen per token) bounds the nodes a token reaches to ``topk_group`` when
+    each group's experts lie on one node. ``group_nodes``: the node of each rank of the
+    expert-parallel group, in group order (rank j holds experts [j E/P, (j+1) E/P)).
+    Returns the bound on nodes per token; a group that straddles nodes is refused."""
+    experts, groups, ranks = router.num_experts, router.n_group, len(group_nodes)
+    nodes = len(set(group_nodes))
+    if groups <= 1 or nodes <= 1:
+        return nodes
+    local, per_group = experts // ranks, experts // groups
+    for g in range(groups):
+        spans = sorted({group_nodes[e // local] for e in range(g * per_group, (g + 1) * per_group)})
+        if len(spans) > 1:
+            raise ConfigError(f"node-limited routing: n_group {groups} makes groups of {per_group} experts, and "
+                              f"group {g} lies on nodes {spans} of the {nodes} nodes this expert-parallel group of "
+                              f"{ranks} ranks spans, so a token could reach more than topk_group {router.topk_group} "
+                              f"nodes: make n_group a multiple of {nodes}, place the expert-parallel group on fewer "
+                              f"nodes, or set n_group 1 (no node limit)")
+    return min(router.topk_group, nodes)
+
+
+def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size, counted):
     """What one rank sends to the ranks ``counted`` marks (a bool per rank of the
     expert-parallel group: e.g. those on other nodes) for one forward dispatch and its
-    combine under dispatcher ``name``, counted from its routing ``indices`` [T, k]:
+    combine under ``dispatch`` (a Dispatch), counted from its routing ``indices`` [T, k]:
     {"dispatch": bytes, "combine": bytes, "copies_out": copies sent there, "rows_out":
     rows sent there}. The counts exchange (a few integers per rank) is left out."""
     dest = indices // (num_experts // ep_size)                               # [T, k]
     far = torch.as_tensor(counted, dtype=torch.bool)
     copies_out = int(far[dest].sum())
-    row = hidden * element_size
-    if name == "every-copy":
-        return {"dispatch": copies_out * row, "combine": copies_out * row, "copies_out": copies_out,
+    row, back = dispatch.row_bytes(hidden, element_size), hidden * element_size
+    if dispatch.name == "every-copy":
+        return {"dispatch": copies_out * row, "combine": copies_out * back, "copies_out": copies_out,
                 "rows_out": copies_out}
     hit = torch.zeros(indices.shape[0], ep_size, dtype=torch.bool)
     hit.scatter_(1, dest, True)
     rows_out = int((hit & far).sum())
-    return {"dispatch": rows_out * row + copies_out * 8, "combine": rows_out * row, "copies_out": copies_out,
+    return {"dispatch": rows_out * row + copies_out * 8, "combine": rows_out * back, "copies_out": copies_out,
             "rows_out": rows_out}

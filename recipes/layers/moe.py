@@ -29,7 +29,7 @@ from torch import nn
 
 from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
-from .dispatch import check_dispatcher, dispatch_and_combine
+from .dispatch import DEFAULT_DISPATCH, check_node_limited, dispatch_and_combine
 from .mlp import ACTIVATIONS, SwiGLU
 
 
@@ -407,21 +407,22 @@ class DeepSeekMoE(_moe_base()):
     # switch halves at them (ds_ext/pipe/overlap.py)
     async_all_to_all = True
 
-    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto", dispatcher="deduplicated"):
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto", dispatch=DEFAULT_DISPATCH):
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
         if c.n_routed_experts % ep_size:
             raise ValueError(f"n_routed_experts {c.n_routed_experts} is not divisible by expert_parallel_size {ep_size}")
         if experts_impl not in EXPERTS_IMPLS:
             raise ValueError(f"experts_impl {experts_impl!r} is unknown: use one of {list(EXPERTS_IMPLS)}")
-        check_dispatcher(dispatcher)
-        self.experts_impl, self.dispatcher = experts_impl, dispatcher
+        dispatch.check(hidden_size=c.hidden_size)
+        self.experts_impl, self.dispatch = experts_impl, dispatch
         self.num_experts = c.n_routed_experts
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = c.n_routed_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.enable_expert_tensor_parallelism = False
         self.ep_group = None
+        self.max_nodes_per_token = None      # set by check_node_limits when the nodes are known
         self.gate = TopkRouter(c)
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
@@ -483,7 +484,7 @@ class DeepSeekMoE(_moe_base()):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
-        routed, shared = dispatch_and_combine(self.dispatcher, flat, weights, indices, experts=self._run_experts,
+        routed, shared = dispatch_and_combine(self.dispatch, flat, weights, indices, experts=self._run_experts,
                                               shared=lambda: self.shared_mlp(x), num_experts=self.num_experts,
                                               ep_size=self.ep_size, group=self.ep_group if self.ep_size > 1 else None)
         return routed.view(shape) + shared
@@ -583,7 +584,20 @@ def step_update(engine, *, speed):
 
 
 def _balancing_setup(engine, *, section, grad_accum):
+    check_node_limits(engine)
     configure_balancing(engine.module, alpha=section.moe.balance_loss_alpha, grad_scale=1.0 / grad_accum)
+
+
+def check_node_limits(engine):
+    """Node-limited routing as a checked placement: every MoE layer's groups of experts
+    lie inside one node of its expert-parallel group (recipes/layers/dispatch.py,
+    check_node_limited), so a token reaches at most topk_group nodes."""
+    from deepspeed import comm as dist
+    node_of = getattr(engine, "node_of", None)
+    for layer in (m for m in engine.module.modules() if isinstance(m, DeepSeekMoE) and m.ep_group is not None):
+        if node_of is not None:
+            nodes = [node_of[r] for r in dist.get_all_ranks_from_group(layer.ep_group)]
+            layer.max_nodes_per_token = check_node_limited(layer.gate, group_nodes=nodes)
 
 
 def _balancing_after_step(engine, *, section):

@@ -12,6 +12,7 @@ from torch import nn
 
 from ds_ext.pipe.zero_bubble import Linear
 
+from .dispatch import DEFAULT_DISPATCH, Dispatch
 from .mla import MLAttention
 from .mlp import SwiGLU
 from .moe import DeepSeekMoE, TopkRouter
@@ -110,7 +111,7 @@ class DecoderLayerPipe(nn.Module):
         return f"model.layers.{layer_idx}."
 
     def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, document_token=None,
-                 moe_dispatcher="deduplicated"):
+                 moe_dispatch=DEFAULT_DISPATCH):
         super().__init__()
         self.layer_idx = layer_idx
         self.document_token = document_token      # attention stays inside documents (the ids travel along)
@@ -118,7 +119,7 @@ class DecoderLayerPipe(nn.Module):
         self.self_attn = self.attention_class(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank, dispatcher=moe_dispatcher)
+            self.mlp = DeepSeekMoE(config, ep_size=ep_size, ep_rank=ep_rank, dispatch=moe_dispatch)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
         seeded_init(self, seed=layer_seed(seed, 1 + layer_idx), std=config.initializer_range)
@@ -152,9 +153,9 @@ class MTPLayerPipe(DecoderLayerPipe):
     def hf_prefix(config, **module_kwargs):
         return f"model.layers.{config.num_hidden_layers}."
 
-    def __init__(self, config, *, seed, ep_size=1, ep_rank=0, moe_dispatcher="deduplicated"):
+    def __init__(self, config, *, seed, ep_size=1, ep_rank=0, moe_dispatch=DEFAULT_DISPATCH):
         super().__init__(config, layer_idx=config.num_hidden_layers, seed=seed, ep_size=ep_size, ep_rank=ep_rank,
-                         moe_dispatcher=moe_dispatcher)
+                         moe_dispatch=moe_dispatch)
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
@@ -321,7 +322,8 @@ def build_options(section):
     the MTP loss weight (seekspeed.mtp), the expert-parallel degree and the MoE layers'
     token dispatcher (seekspeed.moe; a layer option, passed on to layer_specs)."""
     return {"mtp_loss_weight": section.mtp.loss_weight, "expert_parallel_size": section.moe.expert_parallel_size,
-            "moe_dispatcher": section.moe.dispatcher}
+            # dispatch_dtype is "fp8" or names the activation dtype (ds_ext.precision.check_dispatch_dtype)
+            "moe_dispatch": Dispatch(section.moe.dispatcher, "fp8" if section.moe.dispatch_dtype == "fp8" else None)}
 
 
 def expert_parallel_rank(*, stages, ep_size):
