@@ -44,30 +44,71 @@ def place(m, hw, *, ranks_per_node, bounds):
 @dataclass(frozen=True, kw_only=True)
 class ExpertAllToAll:
     """One MoE layer's dispatch + combine for one micro-batch and pass (``layer_bytes``
-    per rank, 0 without expert parallelism), at ``bandwidth`` bytes/s; ``cost``: one
-    dispatch as NCCL's all-to-all over the group's nodes (collectives.py); ``nodes``:
-    the node of each expert-parallel rank of stage 0."""
+    per rank sent to other ranks, 0 without expert parallelism), at ``bandwidth``
+    bytes/s; ``cost``: one dispatch over the group's nodes (collectives.py), ``combine``
+    its combine; ``nodes``: the node of each expert-parallel rank of stage 0;
+    ``dispatcher``: what the MoE layers run (seekspeed.moe.dispatcher, dispatch_dtype);
+    ``nodes_per_token``: the nodes a token's dispatch reaches, expected."""
     layer_bytes: float = 0.0
     bandwidth: float = 1.0
     cost: object = None
+    combine: object = None
     nodes: tuple = ()
+    dispatcher: str = ""
+    nodes_per_token: float = 0.0
 
     @property
     def dispatch_seconds(self):
+        """The mean of the dispatch's and the combine's time (the FP8 dispatch is the smaller)."""
         return self.layer_bytes / 2 / self.bandwidth
 
 
 def expert_all_to_all(m, hw, placement):
-    """Every routed copy of a token sent to its expert's rank, self included."""
-    ep, mc = m.ep, m.mc
+    """One MoE layer's exchanges as the layers' dispatcher sends them
+    (recipes/layers/dispatch.py): every-copy, each routed copy of a token to its
+    expert's rank, self included (an all-to-all); deduplicated, each token once to each
+    rank holding one of its experts, directly (no forwarding inside a node), the copies'
+    weights and rows beside it, with group-limited routing bounding the nodes
+    (``group_limit``). The FP8 payload shrinks the dispatched rows; the combine is in
+    the activation dtype."""
+    ep, mc, moe = m.ep, m.mc, m.section.moe
     if not (ep > 1 and mc.num_moe_layers()):
         return ExpertAllToAll(bandwidth=hw.fabric().nvlink(a2a=True))
-    from .collectives import all_to_all
+    from ds_ext.comm.fp8 import row_bytes as fp8_row_bytes
+
+    from .collectives import all_to_all, moe_dispatch, routing
     nodes = tuple(placement.node(0, d) for d in range(ep))
-    sent = m.tokens * mc.num_experts_per_tok * mc.hidden_size * m.precision.act
-    cost = all_to_all(sent, nodes=len(set(nodes)), per_node=max(map(nodes.count, nodes)), fabric=hw.fabric())
-    layer_bytes = 2 * sent * (ep - 1) / ep
-    return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / 2 / cost.seconds, cost=cost, nodes=nodes)
+    node_count, per_node = len(set(nodes)), max(map(nodes.count, nodes))
+    row = mc.hidden_size * m.precision.act
+    sent_row = fp8_row_bytes(mc.hidden_size) if moe.dispatch_dtype == "fp8" else row
+    k, fabric = mc.num_experts_per_tok, hw.fabric()
+    name = moe.dispatcher + (" fp8" if moe.dispatch_dtype == "fp8" else "")
+    if moe.dispatcher == "every-copy":
+        cost = all_to_all(m.tokens * k * sent_row, nodes=node_count, per_node=per_node, fabric=fabric)
+        combine = all_to_all(m.tokens * k * row, nodes=node_count, per_node=per_node, fabric=fabric)
+        layer_bytes = m.tokens * k * (sent_row + row) * (ep - 1) / ep
+        return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / (cost.seconds + combine.seconds),
+                              cost=cost, combine=combine, nodes=nodes, dispatcher=name, nodes_per_token=node_count)
+    kw = dict(tokens=m.tokens, nodes=node_count, per_node=per_node, fabric=fabric, num_experts=mc.n_routed_experts,
+              top_k=k, top_groups=group_limit(mc, node_count), forwarding=False)
+    # each copy's (weight, row) travels with its token: 8 bytes per copy
+    r = routing(**{key: kw[key] for key in ("nodes", "per_node", "num_experts", "top_k", "top_groups")})
+    per_row = 8 * k / r.ranks_per_token
+    cost, _ = moe_dispatch(token_bytes=sent_row + per_row, **kw)
+    combine, _ = moe_dispatch(token_bytes=row, **kw)
+    layer_bytes = m.tokens * (r.ranks_per_token - r.self_rank) * (sent_row + per_row + row)
+    return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / (cost.seconds + combine.seconds), cost=cost,
+                          combine=combine, nodes=nodes, dispatcher=name, nodes_per_token=r.nodes_per_token)
+
+
+def group_limit(mc, node_count):
+    """The nodes a token may reach under the recipe's group-limited routing (DeepSeek-V3's
+    n_group / topk_group; the trainer checks each group lies on one node), or None
+    (free routing: a recipe without it, n_group 1, or groups not a multiple of the nodes)."""
+    groups, top_groups = getattr(mc, "n_group", 1), getattr(mc, "topk_group", 1)
+    if groups > 1 and node_count > 1 and groups % node_count == 0 and top_groups < node_count:
+        return top_groups
+    return None
 
 
 def a2a_costs(*, moe_layers, dispatch, shared_forward, recompute_passes):

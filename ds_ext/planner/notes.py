@@ -21,18 +21,13 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
                  f"{how}")
     ep_node_count = len(set(a2a.nodes))
     if ep_node_count > 1:
-        from .collectives import moe_dispatch
-        # group-limited routing (DeepSeek-V3's n_group / topk_group; a recipe without it routes freely)
-        groups, top_groups = getattr(mc, "n_group", 1), getattr(mc, "topk_group", 1)
-        limited = top_groups if groups == ep_node_count and top_groups < groups else None
-        deepep, _ = moe_dispatch(tokens=m.tokens, token_bytes=mc.hidden_size * m.precision.act, nodes=ep_node_count,
-                                 per_node=max(map(a2a.nodes.count, a2a.nodes)), fabric=hw.fabric(),
-                                 num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
-                                 top_groups=limited, forwarding=True)
-        notes.append(f"one dispatch {a2a.cost.seconds * 1e3:,.2f} ms as ds_ext/comm/alltoall.py sends it (every "
-                     f"routed copy to its rank over {ep_node_count} nodes); forwarded as DeepEP does (a token "
-                     f"across once per node" + (f", at most {limited} nodes" if limited else "")
-                     + f"; not built here) it would take {deepep.seconds * 1e3:,.2f} ms")
+        from .costs import group_limit
+        limited = group_limit(mc, ep_node_count)
+        how = ("every routed copy to its expert's rank" if a2a.dispatcher.startswith("every-copy") else
+               f"each token once to each rank holding one of its experts, {a2a.nodes_per_token:.2f} of the "
+               f"{ep_node_count} nodes per token" + (f" (at most {limited}: node-limited routing)" if limited else ""))
+        notes.append(f"one dispatch {a2a.cost.seconds * 1e3:,.2f} ms and its combine {a2a.combine.seconds * 1e3:,.2f} "
+                     f"ms, moe.dispatcher {a2a.dispatcher} ({how})")
     return notes
 
 
