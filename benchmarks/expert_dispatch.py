@@ -6,7 +6,8 @@ One DeepSeekMoE layer per rank, expert parallelism over all ranks (so the group 
 the nodes of launch/simcluster.py, each node's link shaped to ``--rate``), each rank
 its own tokens (``--tokens`` per rank). Two routings: the tiny-moe shape (top-2 of 8
 experts, 4 groups of which 2 chosen) and a V3-like one (top-8 of 32 experts, 4 groups,
-2 chosen); dispatchers every-copy and deduplicated (recipes/layers/dispatch.py), payload
+2 chosen); dispatchers every-copy and deduplicated (recipes/layers/dispatch.py; with
+several ranks per node it forwards inside the node, a token crossing once per node), payload
 fp32 and bf16 (the activation dtype; the layer runs in it) and fp8 (bf16 activations, the
 dispatched rows as e4m3 with a scale per 128 channels; "vs every" compares it with
 every-copy in bf16, today's dispatch of that run). All layers live in the
@@ -71,13 +72,15 @@ def _ranks(args):
     from deepspeed import comm as dist
     from ds_ext.comm import alltoall
     from recipes import deepseek_v3
-    from recipes.layers.dispatch import Dispatch, wire_bytes
+    from recipes.layers.dispatch import Dispatch, make_node_hops, wire_bytes
     from recipes.layers.moe import DeepSeekMoE
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     node_of = [r // args.ranks_per_node for r in range(world)]
+    # several ranks per node: deduplicated forwards inside the node (recipes/layers/dispatch.py)
+    hops = make_node_hops([list(range(world))], node_of, new_group=dist.new_group).get(tuple(range(world)))
     layers, inputs = {}, {}
     for routing, fields in ROUTINGS.items():
         config = deepseek_v3.make_config("tiny-moe", {"hidden_size": args.hidden, "moe_intermediate_size": args.moe_inter,
@@ -97,6 +100,8 @@ def _ranks(args):
                             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
                 layer.init_experts(seed=7, std=0.05)
                 layer.ep_group = group
+                if name == "deduplicated" and hops is not None:
+                    layer.node_hops = hops[rank]
                 layers[(routing, name, payload)] = layer.to(dtype).train()
     per = {key: {"layer": [], "dispatch": [], "combine": []} for key in layers}
     for i in range(args.warmup + args.steps):
@@ -127,7 +132,8 @@ def _ranks(args):
             _, indices = layer.gate(x.reshape(-1, args.hidden).float())
         far = [node_of[r] != node_of[rank] for r in range(world)]
         b = wire_bytes(layer.dispatch, indices, hidden=args.hidden, element_size=x.element_size(),
-                       num_experts=layer.num_experts, ep_size=world, counted=far)
+                       num_experts=layer.num_experts, ep_size=world, counted=far,
+                       node_of=node_of if layer.node_hops is not None else None)
         sent[key] = (b["dispatch"] + b["combine"]) / args.tokens
     keys = list(layers)
     mine = torch.tensor([[statistics.median(per[k]["layer"]), statistics.median(per[k]["dispatch"]),

@@ -2,19 +2,24 @@
 one DeepSeekMoE layer per rank with the same weights, each rank its own tokens, the
 same output gradient given to both dispatchers:
 
-- top-2 (tiny-moe's routing) at expert parallelism 2 and 4, fp32 and bf16, and top-8 of
-  32 experts at expert parallelism 1: the two dispatchers' outputs, input gradients and
-  every parameter gradient are bitwise equal (with at most two copies per token, or one
-  rank, a token's sum is the same floating-point operations in both associations);
+- top-2 (tiny-moe's routing) at expert parallelism 2 and 4, fp32, bf16 and the fp8
+  payload, and top-8 of 32 experts at expert parallelism 1: the dispatchers' outputs,
+  input gradients and every parameter gradient are bitwise equal (with at most two
+  copies per token, or one rank, a token's sum is the same floating-point operations in
+  every association); at expert parallelism 4 also deduplicated with the group taken as
+  2 nodes x 2 ranks, forwarding inside the node (both hops seen running);
 - top-8 of 32 experts, 4 groups of which 2 chosen (V3's routing shape) at expert
   parallelism 4: the expert and router gradients are bitwise equal (each copy's
   gradient is the same product in both), the outputs differ only by the association of
   a token's sum of k weighted expert outputs: each association is within
   gamma(k - 1) sum_i |w_i y_i| of the exact sum (tests/numerics.py), so the two are
-  within twice that;
+  within twice that (deduplicated and forwarded alike);
 - what crosses to other ranks, counted by ``wire_bytes`` and checked against the
   routing: every-copy moves each away copy twice (dispatch and combine), deduplicated
-  each (token, destination rank) row twice plus 8 bytes per away copy.
+  each (token, destination rank) row twice plus 12 bytes per away copy, forwarded each
+  (token, destination node) row; fp8 rows of 128 codes and a scale;
+- FP8 rows against ds_ext/comm/fp8.py's derived error bound; node-limited routing's
+  bound on the nodes a token reaches, and the layouts it refuses; bad settings refused.
 Multi-rank; about 20 s on 2 cores.
 """
 
@@ -54,6 +59,16 @@ def _run(layer, x, grad):
     return out.detach().float(), x.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()}
 
 
+class _Labels:
+    """ds_ext.comm.alltoall's recorder: the labels of the exchanges issued."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def record(self, name, kwargs, start, end):
+        self.seen.add(kwargs["what"])
+
+
 def _groups(ep):
     from deepspeed import comm as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,6 +83,7 @@ def _groups(ep):
 def _compare(routing, ep, dtype, payload=None):
     """Both dispatchers' results on this rank: (output, input grad, param grads) each."""
     from deepspeed import comm as dist
+    from ds_ext.comm import alltoall
     group, ep_rank = _groups(ep) if ep > 1 else (None, 0)
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     x = torch.randn(2, TOKENS // 2, HIDDEN, generator=g).to(dtype)
@@ -76,6 +92,17 @@ def _compare(routing, ep, dtype, payload=None):
     for name in ("every-copy", "deduplicated"):
         layer = _layer(routing, dispatcher=name, ep=ep, ep_rank=ep_rank, group=group, dtype=dtype, payload=payload)
         out[name] = _run(layer, x, grad)
+    if ep == 4:
+        # the group as 2 nodes x 2 ranks: deduplicated forwards inside the node
+        from recipes.layers.dispatch import make_node_hops
+        hops = make_node_hops([[0, 1, 2, 3]], [0, 0, 1, 1], new_group=dist.new_group)[(0, 1, 2, 3)]
+        layer = _layer(routing, dispatcher="deduplicated", ep=ep, ep_rank=ep_rank, group=group, dtype=dtype,
+                       payload=payload)
+        layer.node_hops = hops[ep_rank]
+        lanes = _Labels()
+        with alltoall.recording(lanes):
+            out["forwarded"] = _run(layer, x, grad)
+        out["forwarded_exchanges"] = sorted(lanes.seen)
     # sum_i w_i |y_i| per token (the weights are positive): the every-copy layer with its
     # experts' outputs taken absolute
     layer = _layer(routing, dispatcher="every-copy", ep=ep, ep_rank=ep_rank, group=group, dtype=dtype)
@@ -117,6 +144,11 @@ def _bitwise(a, b, what):
 def test_dispatchers_bitwise_equal_where_the_sums_associate_alike(results, key):
     for rank, res in enumerate(results):
         _bitwise(res[key]["every-copy"], res[key]["deduplicated"], f"{key} rank {rank}")
+        if "forwarded" in res[key]:
+            _bitwise(res[key]["every-copy"], res[key]["forwarded"], f"{key} forwarded, rank {rank}")
+            # both hops ran, forward and backward
+            assert {"F dispatch", "F dispatch in-node", "B combine in-node", "B combine"} <= \
+                set(res[key]["forwarded_exchanges"]), res[key]["forwarded_exchanges"]
 
 
 @pytest.mark.multirank
@@ -127,22 +159,23 @@ def test_top8_across_ranks_differs_only_by_the_sums_association(results, key, un
     dtype = np.float32 if unit == "fp32" else BF16
     differed = 0
     for rank, res in enumerate(results):
-        a, b = res[key]["every-copy"], res[key]["deduplicated"]
-        for name in a[2]:
-            if "deepspeed_moe" in name or name.startswith("gate."):
-                assert np.array_equal(a[2][name], b[2][name]), f"{key} rank {rank}: gradient of {name} differs"
-        # each association is within gamma(k - 1) S of the exact sum, S = sum_i |w_i y_i|
-        # (in bf16 each weighted term is rounded to bf16 alike in both, then added in
-        # bf16); S is computed in the case's dtype with k roundings, so S <= S_computed /
-        # (1 - gamma(k)); the layer then adds the shared expert, one more rounding of
-        # each side: |fl(a + s) - fl(b + s)| <= |a - b| + u (|out_a| + |out_b|)
-        u = gamma(1, dtype)
-        s = np.asarray(res[key]["abs_sum"], dtype=np.float64) / (1 - gamma(k, dtype))
-        out_a, out_b = np.asarray(a[0], dtype=np.float64), np.asarray(b[0], dtype=np.float64)
-        bound = 2 * gamma(k - 1, dtype) * s + u * (np.abs(out_a) + np.abs(out_b))
-        err = np.abs(out_a - out_b)
-        assert (err <= bound).all(), f"{key} rank {rank}: worst {err.max():.3e} over its bound {bound.max():.3e}"
-        differed += int((err > 0).sum())
+        for other in ("deduplicated", "forwarded"):
+            a, b = res[key]["every-copy"], res[key][other]
+            for name in a[2]:
+                if "deepspeed_moe" in name or name.startswith("gate."):
+                    assert np.array_equal(a[2][name], b[2][name]), f"{key} {other} rank {rank}: gradient of {name} differs"
+            # each association is within gamma(k - 1) S of the exact sum, S = sum_i |w_i y_i|
+            # (in bf16 each weighted term is rounded to bf16 alike in both, then added in
+            # bf16); S is computed in the case's dtype with k roundings, so S <= S_computed /
+            # (1 - gamma(k)); the layer then adds the shared expert, one more rounding of
+            # each side: |fl(a + s) - fl(b + s)| <= |a - b| + u (|out_a| + |out_b|)
+            u = gamma(1, dtype)
+            s = np.asarray(res[key]["abs_sum"], dtype=np.float64) / (1 - gamma(k, dtype))
+            out_a, out_b = np.asarray(a[0], dtype=np.float64), np.asarray(b[0], dtype=np.float64)
+            bound = 2 * gamma(k - 1, dtype) * s + u * (np.abs(out_a) + np.abs(out_b))
+            err = np.abs(out_a - out_b)
+            assert (err <= bound).all(), f"{key} {other} rank {rank}: worst {err.max():.3e} over its bound {bound.max():.3e}"
+            differed += int((err > 0).sum())
     # the associations really differ somewhere (else the bitwise test above covers it)
     assert differed > 0
 
@@ -155,7 +188,17 @@ def test_wire_bytes_follow_the_routing():
     dedup = wire_bytes(Dispatch("deduplicated"), idx, **kw)
     # away copies: 2 (token 1), 3 (token 2), 2 and 3 (token 3) -> 4 copies, 3 rows
     assert every == {"dispatch": 4 * 8, "combine": 4 * 8, "copies_out": 4, "rows_out": 4}
-    assert dedup == {"dispatch": 3 * 8 + 4 * 8, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
+    assert dedup == {"dispatch": 3 * 8 + 4 * 12, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
+    # 8 experts on 4 ranks of 2 nodes (ranks 0, 1 | 2, 3), counted from rank 0 to node 1:
+    # forwarded, a token crosses once per node; an fp8 row at hidden 128 is 128 codes and
+    # a 4-byte scale
+    idx = torch.tensor([[4, 6], [4, 5], [0, 7], [1, 2]])
+    kw = dict(hidden=128, element_size=2, num_experts=8, ep_size=4, counted=[False, False, True, True])
+    direct = wire_bytes(Dispatch("deduplicated"), idx, **kw)
+    forwarded = wire_bytes(Dispatch("deduplicated", "fp8"), idx, node_of=[0, 0, 1, 1], **kw)
+    # copies to node 1: 4, 6 | 4, 5 | 7 -> 5; rows to ranks 2, 3: (2, 3) | 2 | 3 -> 4; to node 1: 3
+    assert direct == {"dispatch": 4 * 256 + 5 * 12, "combine": 4 * 256, "copies_out": 5, "rows_out": 4}
+    assert forwarded == {"dispatch": 3 * 132 + 5 * 12, "combine": 3 * 256, "copies_out": 5, "rows_out": 3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -9,18 +9,23 @@ what crosses the network:
 - ``"every-copy"``: every copy travels, in the activation dtype, and every weighted
   expert output comes back; the source rank adds a token's k outputs in expert order.
 - ``"deduplicated"``: a token travels once to each rank holding at least one of its
-  experts (with, per copy, its weight and its row: 8 bytes), the receiving rank
-  gathers one input row per copy, applies the weights, adds the outputs of the token's
-  local experts (in expert order) and sends one row back, which the source adds in
-  rank order. With top-k over E experts on P ranks a token crosses to at most
-  min(k, P) ranks instead of k.
+  experts (with, per copy, its weight, its row and its expert: 12 bytes), the receiving
+  rank gathers one input row per copy, applies the weights, adds the outputs of the
+  token's local experts (in expert order) and sends one row back, which the source adds
+  in rank order. With top-k over E experts on P ranks a token crosses to at most
+  min(k, P) ranks instead of k. Where the expert-parallel group spans nodes of several
+  ranks each (``NodeHops``), a token crosses to each node once, to the rank with the
+  sender's local index there, which forwards it inside the node to the ranks holding
+  its experts and adds what they send back (in local-rank order) before one row returns
+  across the nodes: DeepEP's scheme on torch.distributed collectives (NCCL on GPUs,
+  gloo here).
 
 Sums. A token's output is the sum of its k weighted expert outputs. every-copy adds
 them one at a time in expert order: ((0 + y1) + y2) + ... . deduplicated adds each
-rank's share first and then the shares, in the same expert order: the same sum
-associated by rank. With expert parallelism 1, or at most two copies per token
-(top-2), or at most one copy per token on each rank, the two associations are the same
-floating-point operations, and the dispatchers agree bitwise (forward and backward);
+rank's share first and then the shares (forwarded: the ranks' shares inside a node,
+then the nodes'), in the same expert order: the same sum associated by rank (and node). With expert parallelism 1, or at most two copies per token
+(top-2), or at most one copy per token on each rank (and node), the associations are
+the same floating-point operations, and the dispatchers agree bitwise (forward and backward);
 otherwise they differ by rounding, bounded by the usual |error| <= (k - 1) u sum |w_i y_i|
 for each association (u the dtype's unit roundoff). The same holds for the input
 gradient, a sum over the same copies. The expert-parallel-degree invariance of the
@@ -37,6 +42,7 @@ another micro-batch's half, ds_ext.pipe.overlap, behind that half), the combine 
 the experts; the backward runs the reverse exchanges.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -87,15 +93,20 @@ class Dispatch:
 DEFAULT_DISPATCH = Dispatch()
 
 
-def dispatch_and_combine(dispatch, flat, weights, indices, *, experts, shared, num_experts, ep_size, group):
+def dispatch_and_combine(dispatch, flat, weights, indices, *, experts, shared, num_experts, ep_size, group,
+                         hops=None):
     """The routed experts' weighted sum for each row of ``flat`` [T, H] (``weights``,
     ``indices`` [T, k] from the router), moved as ``dispatch`` (a Dispatch) says, plus
     ``shared()``, the shared expert's output, computed while the dispatch is in flight. ``experts(rows, counts)`` runs this rank's
     experts on rows grouped by source rank, then by local expert, ``counts[source][j]``
-    rows each. Returns (routed [T, H], shared's output)."""
-    run = _every_copy if dispatch.name == "every-copy" else _deduplicated
-    return run(flat, weights, indices, experts=experts, shared=shared, num_local=num_experts // ep_size,
-               ep_size=ep_size, group=group, codec=dispatch.codec(flat.dtype))
+    rows each. ``hops``: NodeHops when the group spans nodes of several ranks (the
+    deduplicated dispatcher then forwards inside the node). Returns (routed [T, H],
+    shared's output)."""
+    kw = dict(experts=experts, shared=shared, num_local=num_experts // ep_size, ep_size=ep_size, group=group,
+              codec=dispatch.codec(flat.dtype))
+    if dispatch.name == "every-copy":
+        return _every_copy(flat, weights, indices, **kw)
+    return _deduplicated(flat, weights, indices, hops=hops, **kw)
 
 
 def _by_expert(indices):
@@ -138,66 +149,162 @@ def _every_copy(flat, weights, indices, *, experts, shared, num_local, ep_size, 
     return routed, out_shared
 
 
-def _rows(indices, order, token_of, *, num_local, ep_size):
-    """deduplicated's send plan: one row per (destination rank, token) that has a copy
-    there, destinations ascending and tokens ascending within each. Returns (each
-    row's token, rows per destination [P], each copy's row within its destination's
-    rows, in ``order``)."""
-    tokens = indices.shape[0]
-    dest = indices.reshape(-1)[order] // num_local
-    keys, row_of_copy = torch.unique(dest * tokens + token_of, sorted=True, return_inverse=True)
-    rows_to = torch.bincount(keys // tokens, minlength=ep_size)
-    first_row = rows_to.cumsum(0) - rows_to
-    return keys % tokens, rows_to, row_of_copy - first_row[dest]
-
-
-def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size, group, codec):
+def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size, group, codec, hops=None):
+    """One hop to the ranks holding the experts, or with ``hops`` (NodeHops: the group
+    spans nodes of several ranks) two: each token once to every node holding one of its
+    experts (to the rank with the sender's local index there, over the rail group),
+    forwarded inside the node to the ranks holding them; the FP8 payload applies to the
+    hop across nodes (decoded at the forwarder, which sends the decoded rows on inside
+    the node, so the experts see the same values either way)."""
     tokens = flat.shape[0]
     if tokens >= _MAX_ROWS:
         raise ValueError(f"the deduplicated dispatcher carries row indices as fp32, exact below {_MAX_ROWS} rows; "
                          f"this micro-batch has {tokens} tokens per rank: use a smaller micro-batch or "
                          f"seekspeed.moe.dispatcher \"every-copy\"")
     order, token_of = _by_expert(indices)
-    per_expert = torch.bincount(indices.reshape(-1), minlength=num_local * ep_size).view(ep_size, num_local)
-    row_token, rows_to, copy_row = _rows(indices, order, token_of, num_local=num_local, ep_size=ep_size)
-    interleaved = interleaving()       # as in _every_copy
-    header = torch.cat([per_expert, rows_to.unsqueeze(1)], dim=1)    # per destination: copies per expert, rows
-    width = num_local + 1
-    counts = alltoall.start(header.reshape(-1), out_splits=[width] * ep_size, in_splits=[width] * ep_size,
-                            group=group, label="F counts")
-    sent = flat[row_token]
+    expert = indices.reshape(-1)[order]
     scale = weights.reshape(-1)[order]
-    routing = torch.stack([scale, copy_row.to(scale.dtype)], dim=1)        # [copies, 2]: (weight, row)
-    if interleaved:
-        out_shared = shared()
-    header = counts.wait().view(ep_size, width)
-    counts, rows_in = header[:, :num_local], header[:, num_local]
-    copies_in = counts.sum(1)
-    rows = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label="dispatch", codec=codec)
-    copies = dict(out_splits=copies_in.tolist(), in_splits=per_expert.sum(1).tolist(), group=group,
-                  label="dispatch routing")
+    meta = torch.stack([scale, token_of.to(scale.dtype), expert.to(scale.dtype)], dim=1)
+    final = functools.partial(_at_experts, experts=experts, num_local=num_local, ep_size=ep_size)
+    if hops is None:
+        return _send_once(flat, meta, expert // num_local, members=ep_size, group=group, codec=codec, inner=final,
+                          label="dispatch", shared=shared)
+    node = torch.tensor(hops.node_of)[expert // num_local]
+    perm = torch.argsort(node, stable=True)
+    forward = functools.partial(_forwarder, hops=hops, num_local=num_local, final=final)
+    return _send_once(flat, meta[perm], node[perm], members=hops.nodes, group=hops.rail, codec=codec, inner=forward,
+                      label="dispatch", shared=shared)
+
+
+@dataclass(frozen=True)
+class NodeHops:
+    """How a layer's expert-parallel group sits on nodes, for forwarding: ``nodes`` nodes
+    of ``per_node`` ranks each; ``rail``: this rank's group of the ranks with its local
+    index on every node (member j on node j); ``node``: its node's ranks (member l the
+    local index l); ``node_of`` / ``local_of``: each expert-parallel rank's node and
+    local index; ``ep_rank_of[node][local]``: the inverse; ``me``: this rank's
+    expert-parallel rank."""
+    nodes: int
+    per_node: int
+    rail: object
+    node: object
+    node_of: tuple
+    local_of: tuple
+    ep_rank_of: tuple
+    me: int
+
+
+def make_node_hops(group_ranks, node_of, *, new_group):
+    """NodeHops for every expert-parallel group in ``group_ranks`` (each a list of global
+    ranks in expert-parallel order; every rank passes the same lists, in the same order,
+    since ``new_group`` is collective), keyed by the group's tuple of ranks; a group
+    inside one node, with one rank per node, or with unequal ranks per node has none
+    (the single-hop dispatch serves it)."""
+    hops = {}
+    for ranks in group_ranks:
+        nodes = sorted({node_of[r] for r in ranks})
+        members = {n: [i for i, r in enumerate(ranks) if node_of[r] == n] for n in nodes}
+        per_node = len(members[nodes[0]])
+        if len(nodes) < 2 or per_node < 2 or any(len(m) != per_node for m in members.values()):
+            continue
+        ep_rank_of = tuple(tuple(members[n]) for n in nodes)
+        node_idx = {i: j for j, n in enumerate(nodes) for i in members[n]}
+        local_idx = {i: members[n].index(i) for n in nodes for i in members[n]}
+        rails = [new_group([ranks[ep_rank_of[j][lo]] for j in range(len(nodes))]) for lo in range(per_node)]
+        inside = [new_group([ranks[i] for i in ep_rank_of[j]]) for j in range(len(nodes))]
+        hops[tuple(ranks)] = [NodeHops(nodes=len(nodes), per_node=per_node, rail=rails[local_idx[i]],
+                                       node=inside[node_idx[i]], node_of=tuple(node_idx[k] for k in range(len(ranks))),
+                                       local_of=tuple(local_idx[k] for k in range(len(ranks))), ep_rank_of=ep_rank_of,
+                                       me=i)
+                              for i in range(len(ranks))]
+    return hops
+
+
+# A copy's metadata, fp32 columns (integers exact below 2**24), as the first hop sends it:
+# the weight (the only differentiable one), its row among the rows sent with it, its
+# expert. Each hop's arrival rewrites the row (among all received rows) and appends two
+# columns: the member it came from and that row. After one hop these are the source rank
+# and the source's token order (_FROM, _ARRIVED); a forwarder sets them so before the
+# second hop, whose own two columns come after them.
+_WEIGHT, _ROW, _EXPERT, _FROM, _ARRIVED = range(5)
+
+
+def _send_once(x, meta, member, *, members, group, codec, inner, label, shared=None):
+    """One hop: each row of ``x`` [N, H] that a copy goes to is sent once to each group
+    member a copy goes to, with the copies' ``meta`` [C, F] (``member`` [C]: where each
+    copy goes; copies sorted by member, their order kept); on the member, ``inner(rows,
+    meta)`` (meta's _ROW now indexing ``rows``, _FROM and _ARRIVED appended) returns one
+    output row per received row, which comes back. Returns (per row of ``x`` the sum of
+    what came back for it, in member order; ``shared()``'s output, computed while the
+    dispatch is in flight, or None)."""
+    n = x.shape[0]
+    row = meta[:, _ROW].detach().long()
+    keys, row_of_copy = torch.unique(member * n + row, sorted=True, return_inverse=True)
+    row_src = keys % n
+    rows_to = torch.bincount(keys // n, minlength=members)
+    copies_to = torch.bincount(member, minlength=members)
+    local_row = row_of_copy - (rows_to.cumsum(0) - rows_to)[member]
+    interleaved = interleaving()       # as in _every_copy
+    header = alltoall.start(torch.stack([copies_to, rows_to], dim=1).reshape(-1), out_splits=[2] * members,
+                            in_splits=[2] * members, group=group, label="F counts")
+    sent = x[row_src]
+    meta = torch.cat([meta[:, :_ROW], local_row.to(meta.dtype).unsqueeze(1), meta[:, _ROW + 1:]], dim=1)
+    out_shared = shared() if shared is not None and interleaved else None
+    header = header.wait().view(members, 2)
+    copies_in, rows_in = header[:, 0], header[:, 1]
+    rows = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label=label, codec=codec)
+    copies = dict(out_splits=copies_in.tolist(), in_splits=copies_to.tolist(), group=group, label=label + " routing")
     row_slot, copy_slot = alltoall.Slot(), alltoall.Slot()
     received = alltoall.dispatch(sent, row_slot, **rows)
-    routing = alltoall.dispatch(routing, copy_slot, **copies)
-    if not interleaved:
+    meta = alltoall.dispatch(meta, copy_slot, **copies)
+    if shared is not None and not interleaved:
         out_shared = shared()
     received = alltoall.arrive(received, row_slot, **rows)
-    routing = alltoall.arrive(routing, copy_slot, **copies)
-    # each copy's row among all received rows: its row within its source's rows plus the
-    # rows of the sources before it
-    first_row = rows_in.cumsum(0) - rows_in
-    source = torch.repeat_interleave(torch.arange(ep_size, device=copies_in.device), copies_in)
-    row = routing[:, 1].detach().long() + first_row[source]
-    outputs = experts(received[row], counts.tolist())
-    weighted = (outputs * routing[:, :1]).to(flat.dtype)
-    partial = torch.zeros_like(received).index_add(0, row, weighted)
-    back = dict(out_splits=rows_to.tolist(), in_splits=rows_in.tolist(), group=group, label="combine")
+    meta = alltoall.arrive(meta, copy_slot, **copies)
+    source = torch.repeat_interleave(torch.arange(members, device=copies_in.device), copies_in)
+    arrived = meta[:, _ROW].detach().long() + (rows_in.cumsum(0) - rows_in)[source]
+    meta = torch.cat([meta[:, :_ROW], arrived.to(meta.dtype).unsqueeze(1), meta[:, _ROW + 1:],
+                      source.to(meta.dtype).unsqueeze(1), arrived.to(meta.dtype).unsqueeze(1)], dim=1)
+    back = dict(out_splits=rows_to.tolist(), in_splits=rows_in.tolist(), group=group,
+                label=label.replace("dispatch", "combine"))
     slot = alltoall.Slot()
-    partial = alltoall.arrive(alltoall.dispatch(partial, slot, **back), slot, **back)
-    routed = torch.zeros_like(flat).index_add(0, row_token, partial)
-    return routed, out_shared
+    out = alltoall.arrive(alltoall.dispatch(inner(received, meta), slot, **back), slot, **back)
+    return torch.zeros_like(x).index_add(0, row_src, out), out_shared
 
 
+def _at_experts(rows, meta, *, experts, num_local, ep_size):
+    """The last hop's receiving side: the copies put in the layout the experts run on
+    (by original source rank, then local expert, then the source's token order), the
+    experts run, each copy's output weighted and the outputs of a row's copies added
+    (in expert order): one row per received row. ``ep_rank_of``: when the copies came
+    through a forwarder, _FROM and _ARRIVED are the ones it set (the source rank and the
+    row at the forwarder, in the source's token order); after one hop the arrival's own."""
+    expert = meta[:, _EXPERT].detach().long() % num_local
+    source = meta[:, _FROM].detach().long()
+    order = meta[:, _ARRIVED].detach().long()
+    perm = torch.argsort((source * num_local + expert) * _MAX_ROWS + order, stable=True)
+    meta = meta[perm]
+    row = meta[:, _ROW].detach().long()
+    counts = torch.bincount(source[perm] * num_local + expert[perm], minlength=ep_size * num_local)
+    outputs = experts(rows[row], counts.view(ep_size, num_local).tolist())
+    weighted = (outputs * meta[:, _WEIGHT:_WEIGHT + 1]).to(rows.dtype)
+    return torch.zeros_like(rows).index_add(0, row, weighted)
+
+
+def _forwarder(rows, meta, *, hops, num_local, final):
+    """A node's receiving rank for tokens from other nodes (the rank with the sender's
+    local index): it records each copy's source rank and its row (the source's token
+    order), then sends each row once to every rank of the node holding one of its
+    copies' experts; what comes back is summed per row (in local-rank order)."""
+    node_from = meta[:, _FROM].detach().long()                    # the rail member: the source's node
+    local = torch.tensor(hops.local_of)[meta[:, _EXPERT].detach().long() // num_local]
+    mine = hops.local_of[hops.me]
+    source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)])[node_from]
+    meta = torch.cat([meta[:, :_FROM], source.to(meta.dtype).unsqueeze(1), meta[:, _ARRIVED:_ARRIVED + 1]], dim=1)
+    perm = torch.argsort(local, stable=True)
+    out, _ = _send_once(rows, meta[perm], local[perm], members=hops.per_node, group=hops.node, codec=None,
+                        inner=final, label="dispatch in-node")
+    return out
 def check_node_limited(router, *, group_nodes):
     """Group-limited routing (``n_group`` groups of consecutive experts, ``topk_group``
     of them chosen per token) bounds the nodes a token reaches to ``topk_group`` when
@@ -220,12 +327,14 @@ def check_node_limited(router, *, group_nodes):
     return min(router.topk_group, nodes)
 
 
-def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size, counted):
+def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size, counted, node_of=None):
     """What one rank sends to the ranks ``counted`` marks (a bool per rank of the
     expert-parallel group: e.g. those on other nodes) for one forward dispatch and its
     combine under ``dispatch`` (a Dispatch), counted from its routing ``indices`` [T, k]:
     {"dispatch": bytes, "combine": bytes, "copies_out": copies sent there, "rows_out":
-    rows sent there}. The counts exchange (a few integers per rank) is left out."""
+    rows sent there}. ``node_of`` (each rank's node): the deduplicated dispatch forwards
+    inside nodes, so a token goes once to each node. The counts exchange (a few integers
+    per destination) is left out; each copy's metadata is 12 bytes (weight, row, expert)."""
     dest = indices // (num_experts // ep_size)                               # [T, k]
     far = torch.as_tensor(counted, dtype=torch.bool)
     copies_out = int(far[dest].sum())
@@ -233,8 +342,10 @@ def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size,
     if dispatch.name == "every-copy":
         return {"dispatch": copies_out * row, "combine": copies_out * back, "copies_out": copies_out,
                 "rows_out": copies_out}
-    hit = torch.zeros(indices.shape[0], ep_size, dtype=torch.bool)
-    hit.scatter_(1, dest, True)
-    rows_out = int((hit & far).sum())
-    return {"dispatch": rows_out * row + copies_out * 8, "combine": rows_out * back, "copies_out": copies_out,
+    units = torch.arange(ep_size) if node_of is None else torch.as_tensor(node_of)
+    unit_far = torch.zeros(int(units.max()) + 1, dtype=torch.bool).index_fill_(0, units[far], True)
+    hit = torch.zeros(indices.shape[0], len(unit_far), dtype=torch.bool)
+    hit.scatter_(1, units[dest], True)
+    rows_out = int((hit & unit_far).sum())
+    return {"dispatch": rows_out * row + copies_out * 12, "combine": rows_out * back, "copies_out": copies_out,
             "rows_out": rows_out}

@@ -423,6 +423,7 @@ class DeepSeekMoE(_moe_base()):
         self.enable_expert_tensor_parallelism = False
         self.ep_group = None
         self.max_nodes_per_token = None      # set by check_node_limits when the nodes are known
+        self.node_hops = None                # set by use_node_hops when the group spans nodes of several ranks
         self.gate = TopkRouter(c)
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
@@ -486,7 +487,8 @@ class DeepSeekMoE(_moe_base()):
         weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
         routed, shared = dispatch_and_combine(self.dispatch, flat, weights, indices, experts=self._run_experts,
                                               shared=lambda: self.shared_mlp(x), num_experts=self.num_experts,
-                                              ep_size=self.ep_size, group=self.ep_group if self.ep_size > 1 else None)
+                                              ep_size=self.ep_size, group=self.ep_group if self.ep_size > 1 else None,
+                                              hops=self.node_hops)
         return routed.view(shape) + shared
 
     def _run_experts(self, received, counts):
@@ -585,7 +587,30 @@ def step_update(engine, *, speed):
 
 def _balancing_setup(engine, *, section, grad_accum):
     check_node_limits(engine)
+    use_node_hops(engine.module, getattr(engine, "node_of", None))
     configure_balancing(engine.module, alpha=section.moe.balance_loss_alpha, grad_scale=1.0 / grad_accum)
+
+
+def use_node_hops(module, node_of):
+    """Give every MoE layer whose expert-parallel group spans nodes of several ranks each
+    its NodeHops (the rail and in-node groups the deduplicated dispatcher forwards
+    through). Collective over all ranks: each contributes its layers' groups, and every
+    rank makes every group's subgroups in the same order."""
+    from deepspeed import comm as dist
+
+    from .dispatch import make_node_hops
+    if node_of is None:
+        return
+    layers = [m for m in module.modules() if isinstance(m, DeepSeekMoE) and m.ep_group is not None and m.ep_size > 1]
+    mine = sorted({tuple(dist.get_all_ranks_from_group(m.ep_group)) for m in layers})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = sorted({g for ranks in everyone for g in ranks})
+    hops = make_node_hops([list(g) for g in groups], node_of, new_group=dist.new_group)
+    for layer in layers:
+        ranks = tuple(dist.get_all_ranks_from_group(layer.ep_group))
+        if ranks in hops:
+            layer.node_hops = hops[ranks][layer.ep_rank]
 
 
 def check_node_limits(engine):
