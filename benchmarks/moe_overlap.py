@@ -104,14 +104,17 @@ def _ranks(args):
     ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
                  "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                  "zero_optimization": {"stage": 1}}
+    from recipes.layers.dispatch import Dispatch
     engines = {}
-    for schedule, overlap in ENGINES:
-        model = deepseek_v3.build_pipeline(config, num_stages=STAGES, schedule=schedule, seed=3,
-                                           expert_parallel_size=EP)
-        engines[(schedule, overlap)] = initialize(model=model, config=ds_config, schedule=schedule, overlap=overlap,
-                                                  model_parameters=list(model.parameters()))
+    for dispatcher in args.dispatchers:
+        for schedule, overlap in ENGINES:
+            model = deepseek_v3.build_pipeline(config, num_stages=STAGES, schedule=schedule, seed=3,
+                                               expert_parallel_size=EP, moe_dispatch=Dispatch(dispatcher))
+            engines[(schedule, overlap, dispatcher)] = initialize(model=model, config=ds_config, schedule=schedule,
+                                                                  overlap=overlap,
+                                                                  model_parameters=list(model.parameters()))
     g = torch.Generator().manual_seed(0)
-    dp_id = engines[ENGINES[0]].grid.get_data_parallel_id()
+    dp_id = next(iter(engines.values())).grid.get_data_parallel_id()
     rows = torch.randint(0, config.vocab_size, (DP, args.micro_batch, args.seq + 1), generator=g)[dp_id]
 
     def batches():
@@ -150,8 +153,9 @@ def _ranks(args):
     if dist.get_rank() == 0:
         stack = torch.stack(everyone)          # [rank, engine, field]
         out = []
-        for j, (schedule, overlap) in enumerate(engines):
-            out.append({"schedule": schedule, "overlap": overlap, "step_ms": float(stack[:, j, 0].max()) * 1e3,
+        for j, (schedule, overlap, dispatcher) in enumerate(engines):
+            out.append({"schedule": schedule, "overlap": overlap, "dispatcher": dispatcher,
+                        "step_ms": float(stack[:, j, 0].max()) * 1e3,
                         "a2a_issued_ms": float(stack[:, j, 1].mean()) * 1e3,
                         "a2a_exposed_ms": float(stack[:, j, 2].mean()) * 1e3,
                         "fb_a2a_issued_ms": float(stack[:, j, 3].mean()) * 1e3,
@@ -173,9 +177,10 @@ def _write_trace(directory, key, events, *, origin):
     dist.all_gather_object(lanes, from_engine_events(events, origin=origin))
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
-        name = f"{key[0]}_{key[1]}"
+        name = f"{key[0]}_{key[1]}_{key[2]}"
         write_chrome_trace(lanes, os.path.join(directory, f"{name}.json"), name=name)
-        plot_timeline(lanes, os.path.join(directory, f"{name}.png"), title=f"{key[0]}, overlap {key[1]} (ranks 0-3)")
+        plot_timeline(lanes, os.path.join(directory, f"{name}.png"),
+                      title=f"{key[0]}, overlap {key[1]}, {key[2]} dispatch (ranks 0-3)")
 
 
 def _launch(args, rows_json):
@@ -187,6 +192,7 @@ def _launch(args, rows_json):
     for name in ("steps", "warmup", "micro_batches", "micro_batch", "seq", "layers", "hidden", "moe_inter", "experts",
                  "top_k", "moe", "sleep_ms"):
         script += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    script += ["--dispatchers", *args.dispatchers]
     if args.trace_dir:
         script += ["--trace-dir", os.path.abspath(args.trace_dir)]
     procs, logs = [], []
@@ -241,6 +247,8 @@ def main():
     p.add_argument("--experts-shapes", nargs="*", default=["v2-lite-h512", "tiny-moe"],
                    help="also time the routed experts (benchmarks/grouped_experts.py) on these shapes, one process")
     p.add_argument("--experts-repeats", type=int, default=3)
+    p.add_argument("--dispatchers", nargs="+", default=["every-copy", "deduplicated"],
+                   choices=["every-copy", "deduplicated"], help="the MoE token dispatchers, each with every engine")
     p.add_argument("--trace-dir", help="write each engine's last step as a Chrome trace and a PNG here")
     p.add_argument("--json")
     p.add_argument("--rows-json", help=argparse.SUPPRESS)
@@ -251,23 +259,28 @@ def main():
           f"moe {args.moe}; {args.warmup} + {args.steps} steps each ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="moe-overlap-rows-") as tmp:
         rows = _launch(args, os.path.join(tmp, "rows.json"))
-    by = {(r["schedule"], r["overlap"]): r for r in rows}
-    base = by[("1f1b", "none")]
+    by = {(r["schedule"], r["overlap"], r["dispatcher"]): r for r in rows}
+    base = by[("1f1b", "none", args.dispatchers[0])]
     share = base["a2a_exposed_ms"] / base["step_ms"]
     print(machine_line())
     print(f"\ntiny-moe shape: hidden {args.hidden}, {args.layers} layers ({args.layers - 1} MoE), {args.experts} experts "
           f"top-{args.top_k}, moe_intermediate {args.moe_inter}; micro-batch {args.micro_batch} x {args.seq} tokens, "
           f"{args.micro_batches} micro-batches; 2 stages x 2 replicas, EP 2 across the {args.rate} link; moe {args.moe}")
     print(f"all-to-all waited for in the sequential 1f1b step: {share:.0%} of it")
-    print(f"{'schedule':<14} {'overlap':<7} {'step ms':>8} {'vs 1f1b':>8} {'a2a in flight':>13} {'a2a waited':>10} "
-          f"{'F&B waited':>10} {'hidden in F&B':>13}")
+    print(f"{'dispatcher':<13} {'schedule':<14} {'overlap':<7} {'step ms':>8} {'vs 1f1b':>8} {'vs every':>8} "
+          f"{'a2a in flight':>13} {'a2a waited':>10} {'F&B waited':>10} {'hidden in F&B':>13}")
     for r in rows:
-        r["speedup_vs_1f1b"] = base["step_ms"] / r["step_ms"]
-        none = by.get((r["schedule"], "none"))
+        own = by[("1f1b", "none", r["dispatcher"])]
+        r["speedup_vs_1f1b"] = own["step_ms"] / r["step_ms"]
+        every = by.get((r["schedule"], r["overlap"], "every-copy"))
+        r["speedup_vs_every_copy"] = every["step_ms"] / r["step_ms"] if every else None
+        none = by.get((r["schedule"], "none", r["dispatcher"]))
         r["fb_hidden"] = (1 - r["fb_a2a_exposed_ms"] / none["fb_a2a_exposed_ms"]
                           if r["overlap"] == "layer" and none and none["fb_a2a_exposed_ms"] > 0 else None)
         hidden = f"{r['fb_hidden']:.0%}" if r["fb_hidden"] is not None else "-"
-        print(f"{r['schedule']:<14} {r['overlap']:<7} {r['step_ms']:8.0f} {r['speedup_vs_1f1b']:7.2f}x "
+        vs_every = f"{r['speedup_vs_every_copy']:7.2f}x" if r["speedup_vs_every_copy"] else "       -"
+        print(f"{r['dispatcher']:<13} {r['schedule']:<14} {r['overlap']:<7} {r['step_ms']:8.0f} "
+              f"{r['speedup_vs_1f1b']:7.2f}x {vs_every} "
               f"{r['a2a_issued_ms']:13.0f} {r['a2a_exposed_ms']:10.0f} {r['fb_a2a_exposed_ms']:10.0f} {hidden:>13}")
     experts, experts_ratios = [], {}
     if args.experts_shapes:

@@ -248,7 +248,7 @@ def routing(*, nodes, per_node, num_experts, top_k, top_groups=None):
 
 
 def moe_dispatch(*, tokens, token_bytes, nodes, per_node, fabric, num_experts, top_k, top_groups=None,
-                 forwarding=True, groups_per_node=None):
+                 forwarding=True, groups_per_node=None, forward_bytes=None):
     """One MoE dispatch (the combine is its mirror: the same bytes back) of ``tokens``
     tokens per rank, ``token_bytes`` each, each sent once to every rank holding one of
     its experts. With ``forwarding`` a token crosses to another node once (to the GPU
@@ -256,12 +256,14 @@ def moe_dispatch(*, tokens, token_bytes, nodes, per_node, fabric, num_experts, t
     without, it is sent to each rank directly. Returns the Cost and DeepEP's logical
     RDMA bytes per rank (a token counted once per node it goes to, the sender's own
     included: its test_internode.py's ``num_rdma_token_sent``; divide by seconds for
-    the bandwidth its README tables quote)."""
+    the bandwidth its README tables quote). ``forward_bytes``: a token's bytes on the
+    copy inside the node when they differ from the ones across (seekspeed's FP8 dispatch
+    forwards the decoded rows)."""
     n, node_bw = _layout(nodes, per_node, fabric, groups_per_node)
     r = routing(nodes=nodes, per_node=per_node, num_experts=num_experts, top_k=top_k, top_groups=top_groups)
     if forwarding and nodes > 1:
         nic = tokens * token_bytes * (r.nodes_per_token - r.local_node)
-        nvl = tokens * token_bytes * r.ranks_per_token * (per_node - 1) / per_node
+        nvl = tokens * (forward_bytes or token_bytes) * r.ranks_per_token * (per_node - 1) / per_node
     else:
         nic = tokens * token_bytes * (r.ranks_per_token - r.local_ranks)
         nvl = tokens * token_bytes * (r.local_ranks - r.self_rank)

@@ -56,6 +56,7 @@ class ExpertAllToAll:
     nodes: tuple = ()
     dispatcher: str = ""
     nodes_per_token: float = 0.0
+    forwarded: bool = False
 
     @property
     def dispatch_seconds(self):
@@ -67,10 +68,11 @@ def expert_all_to_all(m, hw, placement):
     """One MoE layer's exchanges as the layers' dispatcher sends them
     (recipes/layers/dispatch.py): every-copy, each routed copy of a token to its
     expert's rank, self included (an all-to-all); deduplicated, each token once to each
-    rank holding one of its experts, directly (no forwarding inside a node), the copies'
-    weights and rows beside it, with group-limited routing bounding the nodes
-    (``group_limit``). The FP8 payload shrinks the dispatched rows; the combine is in
-    the activation dtype."""
+    rank holding one of its experts, or, where the group spans nodes of several ranks,
+    once to each node and forwarded inside it; the copies' metadata (12 bytes each)
+    beside it, group-limited routing bounding the nodes (``group_limit``). The FP8
+    payload shrinks the rows across nodes (forwarded inside the node decoded); the
+    combine is in the activation dtype."""
     ep, mc, moe = m.ep, m.mc, m.section.moe
     if not (ep > 1 and mc.num_moe_layers()):
         return ExpertAllToAll(bandwidth=hw.fabric().nvlink(a2a=True))
@@ -89,16 +91,19 @@ def expert_all_to_all(m, hw, placement):
         layer_bytes = m.tokens * k * (sent_row + row) * (ep - 1) / ep
         return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / (cost.seconds + combine.seconds),
                               cost=cost, combine=combine, nodes=nodes, dispatcher=name, nodes_per_token=node_count)
+    forwarding = node_count > 1 and per_node > 1
     kw = dict(tokens=m.tokens, nodes=node_count, per_node=per_node, fabric=fabric, num_experts=mc.n_routed_experts,
-              top_k=k, top_groups=group_limit(mc, node_count), forwarding=False)
-    # each copy's (weight, row) travels with its token: 8 bytes per copy
+              top_k=k, top_groups=group_limit(mc, node_count), forwarding=forwarding)
     r = routing(**{key: kw[key] for key in ("nodes", "per_node", "num_experts", "top_k", "top_groups")})
-    per_row = 8 * k / r.ranks_per_token
-    cost, _ = moe_dispatch(token_bytes=sent_row + per_row, **kw)
+    # each copy's (weight, row, expert) travels with its token: 12 bytes per copy
+    per_row = 12 * k / (r.nodes_per_token if forwarding else r.ranks_per_token)
+    cost, _ = moe_dispatch(token_bytes=sent_row + per_row, forward_bytes=row + 20 * k / r.ranks_per_token, **kw)
     combine, _ = moe_dispatch(token_bytes=row, **kw)
-    layer_bytes = m.tokens * (r.ranks_per_token - r.self_rank) * (sent_row + per_row + row)
+    layer_bytes = (cost.inter_bytes + cost.intra_bytes + combine.inter_bytes + combine.intra_bytes) / (node_count
+                                                                                                       * per_node)
     return ExpertAllToAll(layer_bytes=layer_bytes, bandwidth=layer_bytes / (cost.seconds + combine.seconds), cost=cost,
-                          combine=combine, nodes=nodes, dispatcher=name, nodes_per_token=r.nodes_per_token)
+                          combine=combine, nodes=nodes, dispatcher=name, nodes_per_token=r.nodes_per_token,
+                          forwarded=forwarding)
 
 
 def group_limit(mc, node_count):

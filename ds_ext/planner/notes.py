@@ -24,7 +24,9 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
         from .costs import group_limit
         limited = group_limit(mc, ep_node_count)
         how = ("every routed copy to its expert's rank" if a2a.dispatcher.startswith("every-copy") else
-               f"each token once to each rank holding one of its experts, {a2a.nodes_per_token:.2f} of the "
+               ("each token once to each node holding one of its experts, forwarded inside it"
+                if a2a.forwarded else "each token once to each rank holding one of its experts")
+               + f", {a2a.nodes_per_token:.2f} of the "
                f"{ep_node_count} nodes per token" + (f" (at most {limited}: node-limited routing)" if limited else ""))
         notes.append(f"one dispatch {a2a.cost.seconds * 1e3:,.2f} ms and its combine {a2a.combine.seconds * 1e3:,.2f} "
                      f"ms, moe.dispatcher {a2a.dispatcher} ({how})")
