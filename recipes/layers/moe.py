@@ -609,8 +609,12 @@ def use_node_hops(module, node_of):
     hops = make_node_hops([list(g) for g in groups], node_of, new_group=dist.new_group)
     for layer in layers:
         ranks = tuple(dist.get_all_ranks_from_group(layer.ep_group))
-        if ranks in hops:
+        if ranks in hops and layer.dispatch.name == "deduplicated":
             layer.node_hops = hops[ranks][layer.ep_rank]
+    if hops and dist.get_rank() == 0 and any(layer.node_hops is not None for layer in layers):
+        h = next(iter(hops.values()))[0]
+        print(f"moe dispatch: deduplicated, forwarded inside the node (an expert-parallel group on {h.nodes} nodes "
+              f"x {h.per_node} ranks: a token crosses to each node once)", flush=True)
 
 
 def check_node_limits(engine):
