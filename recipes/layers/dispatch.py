@@ -23,11 +23,12 @@ what crosses the network:
 Sums. A token's output is the sum of its k weighted expert outputs. every-copy adds
 them one at a time in expert order: ((0 + y1) + y2) + ... . deduplicated adds each
 rank's share first and then the shares (forwarded: the ranks' shares inside a node,
-then the nodes'), in the same expert order: the same sum associated by rank (and node). With expert parallelism 1, or at most two copies per token
-(top-2), or at most one copy per token on each rank (and node), the associations are
-the same floating-point operations, and the dispatchers agree bitwise (forward and backward);
-otherwise they differ by rounding, bounded by the usual |error| <= (k - 1) u sum |w_i y_i|
-for each association (u the dtype's unit roundoff). The same holds for the input
+then the nodes'), in the same expert order: the same sum associated by rank (and
+node). With expert parallelism 1, or at most two copies per token (top-2), or at most
+one copy per token on each rank (and node), the associations are the same
+floating-point operations, and the dispatchers agree bitwise (forward and backward);
+otherwise they differ by rounding, each association within gamma(k - 1) sum |w_i y_i|
+of the exact sum (tests/numerics.py). The same holds for the input
 gradient, a sum over the same copies. The expert-parallel-degree invariance of the
 layer (test_expert_parallel.py) holds for deduplicated where the two associations agree.
 
@@ -54,8 +55,8 @@ from ds_ext.pipe.overlap import interleaving
 DISPATCHERS = ("deduplicated", "every-copy")
 PAYLOADS = (None, "fp8")        # None: the activation dtype
 
-# deduplicated's per-copy routing travels as fp32 (weight, row): a row index is exact in
-# fp32 below 2**24
+# deduplicated's per-copy metadata travels as fp32 (weight, row, expert, ...): an index
+# is exact in fp32 below 2**24
 _MAX_ROWS = 2**24
 
 
@@ -97,9 +98,9 @@ def dispatch_and_combine(dispatch, flat, weights, indices, *, experts, shared, n
                          hops=None):
     """The routed experts' weighted sum for each row of ``flat`` [T, H] (``weights``,
     ``indices`` [T, k] from the router), moved as ``dispatch`` (a Dispatch) says, plus
-    ``shared()``, the shared expert's output, computed while the dispatch is in flight. ``experts(rows, counts)`` runs this rank's
-    experts on rows grouped by source rank, then by local expert, ``counts[source][j]``
-    rows each. ``hops``: NodeHops when the group spans nodes of several ranks (the
+    ``shared()``, the shared expert's output, computed while the dispatch is in flight.
+    ``experts(rows, counts)`` runs this rank's experts on rows grouped by source rank,
+    then by local expert, ``counts[source][j]`` rows each. ``hops``: NodeHops when the group spans nodes of several ranks (the
     deduplicated dispatcher then forwards inside the node). Returns (routed [T, H],
     shared's output)."""
     kw = dict(experts=experts, shared=shared, num_local=num_experts // ep_size, ep_size=ep_size, group=group,
@@ -169,7 +170,7 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     if hops is None:
         return _send_once(flat, meta, expert // num_local, members=ep_size, group=group, codec=codec, inner=final,
                           label="dispatch", shared=shared)
-    node = torch.tensor(hops.node_of)[expert // num_local]
+    node = torch.tensor(hops.node_of, device=expert.device)[expert // num_local]
     perm = torch.argsort(node, stable=True)
     forward = functools.partial(_forwarder, hops=hops, num_local=num_local, final=final)
     return _send_once(flat, meta[perm], node[perm], members=hops.nodes, group=hops.rail, codec=codec, inner=forward,
@@ -297,9 +298,9 @@ def _forwarder(rows, meta, *, hops, num_local, final):
     order), then sends each row once to every rank of the node holding one of its
     copies' experts; what comes back is summed per row (in local-rank order)."""
     node_from = meta[:, _FROM].detach().long()                    # the rail member: the source's node
-    local = torch.tensor(hops.local_of)[meta[:, _EXPERT].detach().long() // num_local]
+    local = torch.tensor(hops.local_of, device=meta.device)[meta[:, _EXPERT].detach().long() // num_local]
     mine = hops.local_of[hops.me]
-    source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)])[node_from]
+    source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)], device=meta.device)[node_from]
     meta = torch.cat([meta[:, :_FROM], source.to(meta.dtype).unsqueeze(1), meta[:, _ARRIVED:_ARRIVED + 1]], dim=1)
     perm = torch.argsort(local, stable=True)
     out, _ = _send_once(rows, meta[perm], local[perm], members=hops.per_node, group=hops.node, codec=None,
