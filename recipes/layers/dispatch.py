@@ -100,9 +100,9 @@ def dispatch_and_combine(dispatch, flat, weights, indices, *, experts, shared, n
     ``indices`` [T, k] from the router), moved as ``dispatch`` (a Dispatch) says, plus
     ``shared()``, the shared expert's output, computed while the dispatch is in flight.
     ``experts(rows, counts)`` runs this rank's experts on rows grouped by source rank,
-    then by local expert, ``counts[source][j]`` rows each. ``hops``: NodeHops when the group spans nodes of several ranks (the
-    deduplicated dispatcher then forwards inside the node). Returns (routed [T, H],
-    shared's output)."""
+    then by local expert, ``counts[source][j]`` rows each. ``hops``: NodeHops when the
+    group spans nodes of several ranks (the deduplicated dispatcher then forwards inside
+    the node). Returns (routed [T, H], shared's output)."""
     kw = dict(experts=experts, shared=shared, num_local=num_experts // ep_size, ep_size=ep_size, group=group,
               codec=dispatch.codec(flat.dtype))
     if dispatch.name == "every-copy":
