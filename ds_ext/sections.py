@@ -175,6 +175,10 @@ class CheckpointSection:
             raise ConfigError(f"{where}.zstd_threads must be >= 0, got {self.zstd_threads}")
 
 
+# the MoE layers' token dispatchers (recipes/layers/dispatch.py)
+MOE_DISPATCHERS = ("deduplicated", "every-copy")
+
+
 @dataclass(kw_only=True)
 class MoeSection:
     # auxiliary-loss-free balancing: bias step per optimizer step (DeepSeek-V3: 0.001; 0 = off)
@@ -197,9 +201,7 @@ class MoeSection:
                 raise ConfigError(f"{where}.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.expert_parallel_size < 1:
             raise ConfigError(f"{where}.expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
-        if self.dispatcher not in ("deduplicated", "every-copy"):
-            raise ConfigError(f"{where}.dispatcher {self.dispatcher!r} is unknown: use \"deduplicated\" or "
-                              f"\"every-copy\"")
+        _check_choices(where, self, dispatcher=MOE_DISPATCHERS)
 
 
 @dataclass(kw_only=True)

@@ -91,6 +91,3 @@ class Fp8Rows:
 
     def decode(self, raw):
         return decode(raw, dtype=self.dtype)
-
-    def decoded_shape(self, rows, raw_shape):
-        return (rows, raw_shape[1] * 32 // 33)

@@ -51,8 +51,7 @@ import torch
 from ds_ext.comm import alltoall, fp8
 from ds_ext.errors import ConfigError
 from ds_ext.pipe.overlap import interleaving
-
-DISPATCHERS = ("deduplicated", "every-copy")
+from ds_ext.sections import MOE_DISPATCHERS as DISPATCHERS
 PAYLOADS = (None, "fp8")        # None: the activation dtype
 
 # deduplicated's per-copy metadata travels as fp32 (weight, row, expert, ...): an index

@@ -422,7 +422,6 @@ class DeepSeekMoE(_moe_base()):
         self.expert_group_name = f"ep_size_{ep_size}"
         self.enable_expert_tensor_parallelism = False
         self.ep_group = None
-        self.max_nodes_per_token = None      # set by check_node_limits when the nodes are known
         self.node_hops = None                # set by use_node_hops when the group spans nodes of several ranks
         self.gate = TopkRouter(c)
         self.deepspeed_moe = nn.Module()
@@ -586,8 +585,10 @@ def step_update(engine, *, speed):
 
 
 def _balancing_setup(engine, *, section, grad_accum):
-    check_node_limits(engine)
-    use_node_hops(engine.module, getattr(engine, "node_of", None))
+    node_of = getattr(engine, "node_of", None)
+    if node_of is not None:
+        check_node_limits(engine.module, node_of)
+        use_node_hops(engine.module, node_of)
     configure_balancing(engine.module, alpha=section.moe.balance_loss_alpha, grad_scale=1.0 / grad_accum)
 
 
@@ -599,8 +600,6 @@ def use_node_hops(module, node_of):
     from deepspeed import comm as dist
 
     from .dispatch import make_node_hops
-    if node_of is None:
-        return
     layers = [m for m in module.modules() if isinstance(m, DeepSeekMoE) and m.ep_group is not None and m.ep_size > 1]
     mine = sorted({tuple(dist.get_all_ranks_from_group(m.ep_group)) for m in layers})
     everyone = [None] * dist.get_world_size()
@@ -617,16 +616,13 @@ def use_node_hops(module, node_of):
               f"x {h.per_node} ranks: a token crosses to each node once)", flush=True)
 
 
-def check_node_limits(engine):
+def check_node_limits(module, node_of):
     """Node-limited routing as a checked placement: every MoE layer's groups of experts
     lie inside one node of its expert-parallel group (recipes/layers/dispatch.py,
     check_node_limited), so a token reaches at most topk_group nodes."""
     from deepspeed import comm as dist
-    node_of = getattr(engine, "node_of", None)
-    for layer in (m for m in engine.module.modules() if isinstance(m, DeepSeekMoE) and m.ep_group is not None):
-        if node_of is not None:
-            nodes = [node_of[r] for r in dist.get_all_ranks_from_group(layer.ep_group)]
-            layer.max_nodes_per_token = check_node_limited(layer.gate, group_nodes=nodes)
+    for layer in (m for m in module.modules() if isinstance(m, DeepSeekMoE) and m.ep_group is not None):
+        check_node_limited(layer.gate, group_nodes=[node_of[r] for r in dist.get_all_ranks_from_group(layer.ep_group)])
 
 
 def _balancing_after_step(engine, *, section):
