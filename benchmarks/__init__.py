@@ -74,6 +74,54 @@ def simcluster_cmd(script, *, nodes, ranks_per_node, rate):
             str(ranks_per_node), "--rate", rate, "--tail", "0", "--", *script]
 
 
+def ranks_in_namespaces(script, *, node_of, rate, master_port, timeout, rows_json, name):
+    """``script`` (argv) as one process per rank in a fresh simulated cluster
+    (launch/simcluster.py, ``rate`` per node link): rank r on node ``node_of[r]`` with
+    RANK, WORLD_SIZE, LOCAL_RANK (its place among its node's ranks), LOCAL_WORLD_SIZE,
+    node 0's address as MASTER_ADDR, one thread, the CPU accelerator. Every rank is
+    ended and the namespaces torn down whatever happens. Returns the JSON rank 0 wrote
+    to ``rows_json``; exits with each rank's log tail when one failed or ``timeout``
+    seconds passed."""
+    import tempfile
+    import time
+
+    from launch.simcluster import SimCluster
+    world = len(node_of)
+    procs, logs = [], []
+    with SimCluster(max(node_of) + 1, rate=rate) as cluster, tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        try:
+            for rank, node in enumerate(node_of):
+                peers = [r for r in range(world) if node_of[r] == node]
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(peers.index(rank)),
+                           LOCAL_WORLD_SIZE=str(len(peers)), MASTER_ADDR=cluster.address(0),
+                           MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+                           DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+                log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
+                logs.append(log)
+                procs.append(subprocess.Popen(["ip", "netns", "exec", cluster.node_ns(node), *script], cwd=ROOT,
+                                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.5)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            for log in logs:
+                log.close()
+        if any(p.returncode != 0 for p in procs) or not os.path.exists(rows_json):
+            tails = []
+            for rank in range(world):
+                with open(os.path.join(tmp, f"rank{rank}.log"), errors="replace") as f:
+                    tails.append(f"--- rank {rank} (exit {procs[rank].returncode})\n" + "".join(f.readlines()[-25:]))
+            sys.exit(f"{name}: a rank failed or timed out\n" + "\n".join(tails))
+    with open(rows_json) as f:
+        return json.load(f)
+
+
 def run_for_rows(cmd, rows_json, *, name):
     """Run ``cmd`` (one thread per rank, CPU accelerator) and return the JSON its rank 0
     wrote to ``rows_json``; exit with the output's tail when it failed."""

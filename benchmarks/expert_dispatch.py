@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures
+from benchmarks import machine_line, ranks_in_namespaces, write_figures
 
 ROUTINGS = {"tiny-moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2),
             "v3-like": dict(n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2)}
@@ -161,44 +160,13 @@ def _ranks(args):
 
 def _launch(args, rows_json):
     """nodes x ranks-per-node ranks in the simulated cluster, rank r on node r // ranks-per-node."""
-    from launch.simcluster import SimCluster
     world = args.nodes * args.ranks_per_node
     script = [sys.executable, os.path.abspath(__file__), "--rows-json", rows_json]
     for name in ("nodes", "ranks_per_node", "steps", "warmup", "tokens", "hidden", "moe_inter"):
         script += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    procs, logs = [], []
-    with SimCluster(args.nodes, rate=args.rate) as cluster, tempfile.TemporaryDirectory(prefix="dispatch-") as tmp:
-        try:
-            for rank in range(world):
-                node = rank // args.ranks_per_node
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                           LOCAL_RANK=str(rank % args.ranks_per_node), LOCAL_WORLD_SIZE=str(args.ranks_per_node),
-                           MASTER_ADDR=cluster.address(0), MASTER_PORT=str(args.master_port),
-                           GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-                log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-                logs.append(log)
-                procs.append(subprocess.Popen(["ip", "netns", "exec", cluster.node_ns(node), *script], cwd=ROOT,
-                                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + args.timeout
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.5)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            for log in logs:
-                log.close()
-        if any(p.returncode != 0 for p in procs) or not os.path.exists(rows_json):
-            tails = []
-            for rank in range(world):
-                with open(os.path.join(tmp, f"rank{rank}.log"), errors="replace") as f:
-                    tails.append(f"--- rank {rank} (exit {procs[rank].returncode})\n" + "".join(f.readlines()[-25:]))
-            sys.exit("expert_dispatch: a rank failed or timed out\n" + "\n".join(tails))
-    with open(rows_json) as f:
-        return json.load(f)
+    return ranks_in_namespaces(script, node_of=[r // args.ranks_per_node for r in range(world)], rate=args.rate,
+                               master_port=args.master_port, timeout=args.timeout, rows_json=rows_json,
+                               name="expert_dispatch")
 
 
 def main():

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import machine_line, write_figures
+from benchmarks import machine_line, ranks_in_namespaces, write_figures
 
 ENGINES = [("1f1b", "none"), ("dualpipev-zb", "none"), ("dualpipev-zb", "layer"), ("dualpipe", "none"),
            ("dualpipe", "layer")]
@@ -187,7 +186,6 @@ def _launch(args, rows_json):
     """4 ranks in the simulated cluster: ranks 0 and 2 on node 0, 1 and 3 on node 1, so
     DeepSpeed's expert-parallel groups {0, 1} and {2, 3} (the replicas of each stage)
     cross the shaped link and the pipeline pairs 0-2 and 1-3 do not."""
-    from launch.simcluster import SimCluster
     script = [sys.executable, os.path.abspath(__file__), "--rows-json", rows_json]
     for name in ("steps", "warmup", "micro_batches", "micro_batch", "seq", "layers", "hidden", "moe_inter", "experts",
                  "top_k", "moe", "sleep_ms"):
@@ -195,36 +193,9 @@ def _launch(args, rows_json):
     script += ["--dispatchers", *args.dispatchers]
     if args.trace_dir:
         script += ["--trace-dir", os.path.abspath(args.trace_dir)]
-    procs, logs = [], []
-    with SimCluster(2, rate=args.rate) as cluster, tempfile.TemporaryDirectory(prefix="moe-overlap-") as tmp:
-        for rank in range(4):
-            node = rank % 2
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR=cluster.address(0), MASTER_PORT=str(args.master_port), GLOO_SOCKET_IFNAME="eth0",
-                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(["ip", "netns", "exec", cluster.node_ns(node), *script], cwd=ROOT, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-        if any(p.returncode != 0 for p in procs) or not os.path.exists(rows_json):
-            tails = []
-            for rank in range(4):
-                with open(os.path.join(tmp, f"rank{rank}.log"), errors="replace") as f:
-                    tails.append(f"--- rank {rank} (exit {procs[rank].returncode})\n" + "".join(f.readlines()[-25:]))
-            sys.exit("moe_overlap: a rank failed or timed out\n" + "\n".join(tails))
-    with open(rows_json) as f:
-        return json.load(f)
+    return ranks_in_namespaces(script, node_of=[rank % 2 for rank in range(4)], rate=args.rate,
+                               master_port=args.master_port, timeout=args.timeout, rows_json=rows_json,
+                               name="moe_overlap")
 
 
 def main():
