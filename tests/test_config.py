@@ -342,3 +342,35 @@ def test_overlap_choices_and_refusals(tmp_path):
         section("dualpipev-zb", "layer", 2).resolve_overlap(has_moe=False)
     with pytest.raises(ConfigError, match=r"moe.expert_parallel_size 1"):
         section("dualpipe", "layer", 1).resolve_overlap(has_moe=True)
+
+
+def _shipped_world(path):
+    """The smallest world size of 1, 2, 4, 8 or 1024 that ``path`` (a config of ds_configs/) resolves on."""
+    for world in (1, 2, 4, 8, 1024):
+        try:
+            load_config(path, world_size=world)
+            return world
+        except ConfigError:
+            continue
+    raise AssertionError(f"{path} resolves on none of the world sizes tried")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "ds_configs")) if n.endswith(".json")))
+def test_bad_moe_dispatch_settings_are_refused_for_every_shipped_config(tmp_path, name):
+    """seekspeed.moe.dispatcher and dispatch_dtype, wrong, in every config of ds_configs/: one
+    line naming the key and the choices, from the loader (before anything is built or written)."""
+    src = os.path.join(ROOT, "ds_configs", name)
+    world = _shipped_world(src)
+    with open(src) as f:
+        base = json.load(f)
+    for moe, pattern in (({"dispatcher": "all"}, r"^seekspeed\.moe\.dispatcher 'all' is not one of \['deduplicated', "
+                                                  r"'every-copy'\]$"),
+                         ({"dispatch_dtype": "fp16"}, r"^seekspeed\.moe\.dispatch_dtype 'fp16': the dispatch sends the "
+                                                      r"activation dtype \((fp32|bf16)\) or fp8")):
+        cfg = copy.deepcopy(base)
+        cfg["seekspeed"].setdefault("moe", {}).update(moe)
+        path = tmp_path / name
+        path.write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match=pattern) as exc:
+            load_config(str(path), world_size=world)
+        assert "\n" not in str(exc.value)
