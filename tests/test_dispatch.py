@@ -16,8 +16,9 @@ same output gradient given to both dispatchers:
   within twice that (deduplicated and forwarded alike);
 - what crosses to other ranks, counted by ``wire_bytes`` and checked against the
   routing: every-copy moves each away copy twice (dispatch and combine), deduplicated
-  each (token, destination rank) row twice plus 12 bytes per away copy, forwarded each
-  (token, destination node) row; fp8 rows of 128 codes and a scale;
+  each (token, destination rank) row twice, the dispatched row with min(k, the rank's
+  experts) routing slots of 6 bytes, forwarded each (token, destination node) row; fp8
+  rows of 128 codes and a scale;
 - FP8 rows against ds_ext/comm/fp8.py's derived error bound; node-limited routing's
   bound on the nodes a token reaches, and the layouts it refuses; bad settings refused.
 Multi-rank; about 20 s on 2 cores.
@@ -188,7 +189,8 @@ def test_wire_bytes_follow_the_routing():
     dedup = wire_bytes(Dispatch("deduplicated"), idx, **kw)
     # away copies: 2 (token 1), 3 (token 2), 2 and 3 (token 3) -> 4 copies, 3 rows
     assert every == {"dispatch": 4 * 8, "combine": 4 * 8, "copies_out": 4, "rows_out": 4}
-    assert dedup == {"dispatch": 3 * 8 + 4 * 12, "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
+    # each deduplicated row carries min(k, 2 experts a rank) = 2 slots of fp32 weight + int16 expert
+    assert dedup == {"dispatch": 3 * (8 + 2 * 6), "combine": 3 * 8, "copies_out": 4, "rows_out": 3}
     # 8 experts on 4 ranks of 2 nodes (ranks 0, 1 | 2, 3), counted from rank 0 to node 1:
     # forwarded, a token crosses once per node; an fp8 row at hidden 128 is 128 codes and
     # a 4-byte scale
@@ -196,9 +198,10 @@ def test_wire_bytes_follow_the_routing():
     kw = dict(hidden=128, element_size=2, num_experts=8, ep_size=4, counted=[False, False, True, True])
     direct = wire_bytes(Dispatch("deduplicated"), idx, **kw)
     forwarded = wire_bytes(Dispatch("deduplicated", "fp8"), idx, node_of=[0, 0, 1, 1], **kw)
-    # copies to node 1: 4, 6 | 4, 5 | 7 -> 5; rows to ranks 2, 3: (2, 3) | 2 | 3 -> 4; to node 1: 3
-    assert direct == {"dispatch": 4 * 256 + 5 * 12, "combine": 4 * 256, "copies_out": 5, "rows_out": 4}
-    assert forwarded == {"dispatch": 3 * 132 + 5 * 12, "combine": 3 * 256, "copies_out": 5, "rows_out": 3}
+    # copies to node 1: 4, 6 | 4, 5 | 7 -> 5; rows to ranks 2, 3: (2, 3) | 2 | 3 -> 4; to node 1: 3;
+    # a row's slots: min(top-2, 2 experts a rank) = 2, to a node min(2, 4) = 2
+    assert direct == {"dispatch": 4 * (256 + 2 * 6), "combine": 4 * 256, "copies_out": 5, "rows_out": 4}
+    assert forwarded == {"dispatch": 3 * (132 + 2 * 6), "combine": 3 * 256, "copies_out": 5, "rows_out": 3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

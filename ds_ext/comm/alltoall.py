@@ -24,6 +24,12 @@ encoding is an identity for the gradient, as in FP8 training). With ``group`` No
 rows still go through the codec, so every expert-parallel degree computes on the same
 values.
 
+``extra`` tensors (the same rows, any dtypes: a token's routing beside its hidden state)
+travel in the same exchange, each row's bytes packed after the main tensor's: one
+``all_to_all_single`` of bytes instead of one per tensor. ``dispatch`` and ``arrive``
+then return a tuple; the gradients of the floating extras travel back with the main
+tensor's, packed the same way (integer extras have none).
+
 While ``recording(timeline)`` is active every all-to-all is recorded twice: as
 ``AllToAll`` from issue to the end of its wait (in flight) and as ``WaitAllToAll`` for
 the time the computing thread was blocked on it (exposed).
@@ -50,16 +56,39 @@ def recording(timeline):
         _timeline = previous
 
 
+# The MoE dispatchers' routing beside each row (recipes/layers/dispatch.py), here so that
+# the planner counts the bytes the layers send.
+def expert_id_dtype(num_experts):
+    """The integer dtype a copy's expert travels in (-1 marks an empty slot); the same on
+    every rank, since each unpacks what it receives by its own layout."""
+    return torch.int16 if num_experts < 2**15 else torch.int32
+
+
+def slot_bytes(num_experts):
+    """Bytes of one routing slot on the wire: the fp32 weight and the expert's index."""
+    return 4 + torch.empty((), dtype=expert_id_dtype(num_experts)).element_size()
+
+
+# a forwarded row's origin (the source rank, the row's place in the source's token
+# order), sent on by the MoE dispatcher's forwarder as two int32
+ORIGIN_BYTES = 8
+
+
 class Exchange:
-    """One issued all-to-all: ``wait()`` returns its output once the bytes are there
-    (decoded into ``out`` when the exchange carries a codec's bytes)."""
+    """One issued all-to-all: ``wait()`` returns its output once the bytes are there.
+    ``outs``: every tensor it carries; when it moved packed bytes (a codec, or extra
+    tensors), ``wait`` unpacks them into ``outs`` (the first through the codec)."""
 
-    __slots__ = ("out", "work", "source", "label", "issued", "raw", "codec")
+    __slots__ = ("outs", "work", "source", "label", "issued", "raw", "parts")
 
-    def __init__(self, out, work, source, label, *, raw=None, codec=None):
-        self.out, self.work, self.source, self.label = out, work, source, label
-        self.raw, self.codec = raw, codec
+    def __init__(self, outs, work, source, label, *, raw=None, parts=None):
+        self.outs, self.work, self.source, self.label = outs, work, source, label
+        self.raw, self.parts = raw, parts
         self.issued = time.perf_counter()
+
+    @property
+    def out(self):
+        return self.outs[0]
 
     def wait(self):
         if self.work is not None:
@@ -71,30 +100,47 @@ class Exchange:
                 _timeline.record("AllToAll", {"what": self.label}, self.issued, end)
                 _timeline.record("WaitAllToAll", {"what": self.label}, start, end)
         if self.raw is not None:
-            self.out.copy_(self.codec.decode(self.raw))
+            for out, (begin, end, codec) in zip(self.outs, self.parts):
+                if codec is not None:
+                    out.copy_(codec.decode(self.raw[:, begin:end]))
+                else:
+                    _as_bytes(out).copy_(self.raw[:, begin:end])
             self.raw = None
         return self.out
 
 
-def start(tensor, *, out_splits, in_splits, group, label, codec=None):
+def _as_bytes(t):
+    """A contiguous [R, ...] tensor's rows as bytes, uint8 [R, B] (a view)."""
+    return t.view(t.shape[0], -1).view(torch.uint8)
+
+
+def start(tensor, *, out_splits, in_splits, group, label, codec=None, extra=()):
     """Issue ``all_to_all_single`` of ``tensor`` (rows split ``in_splits`` over the
     group's ranks, ``out_splits`` rows received from each) without waiting; then let the
     other half of an interleaved F&B chunk run. ``group`` None: the identity (through
-    ``codec``'s round trip if given)."""
-    if codec is not None:
-        raw = codec.encode(tensor.contiguous())
+    ``codec``'s round trip if given). ``extra``: tensors of the same rows packed into the
+    same exchange (module docstring)."""
+    if codec is not None or extra:
+        tensors = [t.contiguous() for t in (tensor, *extra)]
+        pieces = [codec.encode(tensors[0]) if codec is not None else _as_bytes(tensors[0])]
+        pieces += [_as_bytes(t) for t in tensors[1:]]
+        parts, end = [], 0
+        for i, piece in enumerate(pieces):
+            parts.append((end, end + piece.shape[1], codec if i == 0 else None))
+            end += piece.shape[1]
         rows = sum(out_splits) if group is not None else tensor.shape[0]
-        out = tensor.new_empty((rows, ) + tuple(tensor.shape[1:]))
+        outs = [t.new_empty((rows, ) + tuple(t.shape[1:])) for t in tensors]
+        raw = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         exchange = start(raw, out_splits=out_splits, in_splits=in_splits, group=group, label=label)
-        return Exchange(out, exchange.work, exchange.source, label, raw=exchange.out, codec=codec)
+        return Exchange(outs, exchange.work, exchange.source, label, raw=exchange.out, parts=parts)
     if group is None:
-        return Exchange(tensor, None, None, label)
+        return Exchange([tensor], None, None, label)
     from deepspeed import comm as dist
     source = tensor.contiguous()
     out = source.new_empty((sum(out_splits), ) + tuple(source.shape[1:]))
     work = dist.all_to_all_single(out, source, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=True)
-    exchange = Exchange(out, work, source, label)
+    exchange = Exchange([out], work, source, label)
     switch()
     return exchange
 
@@ -111,45 +157,61 @@ class Slot:
 class _Dispatch(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, slot, out_splits, in_splits, group, label, codec):
-        ctx.slot = slot
+    def forward(ctx, x, slot, out_splits, in_splits, group, label, codec, *extra):
+        ctx.slot, ctx.floats = slot, [e.is_floating_point() for e in extra]
         slot.forward = start(x, out_splits=out_splits, in_splits=in_splits, group=group, label="F " + label,
-                             codec=codec)
-        out = slot.forward.out
-        return out.view_as(out) if group is None and codec is None else out
+                             codec=codec, extra=extra)
+        outs = slot.forward.outs
+        if not extra:
+            out = outs[0]
+            return out.view_as(out) if group is None and codec is None else out
+        # with group None, uncoded and unpacked tensors come back as they went: as views
+        return tuple(o.view_as(o) if o is t else o for o, t in zip(outs, (x, *extra)))
 
     @staticmethod
-    def backward(ctx, _):
+    def backward(ctx, *_):
         slot, ctx.slot = ctx.slot, None
         exchange, slot.backward = slot.backward, None
-        return exchange.wait(), None, None, None, None, None, None
+        exchange.wait()
+        grads = iter(exchange.outs[1:])
+        return (exchange.out, None, None, None, None, None, None,
+                *[next(grads) if floating else None for floating in ctx.floats])
 
 
 class _Arrive(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y, slot, out_splits, in_splits, group, label):
+    def forward(ctx, y, slot, out_splits, in_splits, group, label, *extra):
         # the backward sends the gradient back: what came in from each rank returns to it
         ctx.slot, ctx.args = slot, dict(out_splits=in_splits, in_splits=out_splits, group=group, label="B " + label)
+        ctx.floats = [e.is_floating_point() for e in extra]
         exchange, slot.forward = slot.forward, None
         exchange.wait()
-        return y.view_as(y)
+        if not extra:
+            return y.view_as(y)
+        return (y.view_as(y), *(e.view_as(e) for e in extra))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *extra_grads):
         slot, ctx.slot = ctx.slot, None
-        slot.backward = start(grad, **ctx.args)
+        floats = [g for g, floating in zip(extra_grads, ctx.floats) if floating]
+        slot.backward = start(grad, extra=floats, **ctx.args)
         # what reaches dispatch's backward is only its cue: it returns the exchange's result
-        return grad, None, None, None, None, None
+        return (grad, None, None, None, None, None,
+                *[g if floating else None for g, floating in zip(extra_grads, ctx.floats)])
 
 
-def dispatch(x, slot, *, out_splits, in_splits, group, label, codec=None):
-    """Issue the all-to-all of ``x`` (differentiable; sent through ``codec`` if given);
-    its result is read through ``arrive(result, slot, ...)`` with the same arguments."""
-    return _Dispatch.apply(x, slot, out_splits, in_splits, group, label, codec)
+def dispatch(x, slot, *, out_splits, in_splits, group, label, codec=None, extra=()):
+    """Issue the all-to-all of ``x`` (differentiable; sent through ``codec`` if given, with
+    ``extra`` tensors of the same rows packed beside it); its result is read through
+    ``arrive(result, slot, ...)`` with the same arguments: ``x``'s rows, or with
+    ``extra`` a tuple (``x``'s rows, then each extra's)."""
+    return _Dispatch.apply(x, slot, out_splits, in_splits, group, label, codec, *extra)
 
 
 def arrive(y, slot, *, out_splits, in_splits, group, label, codec=None):
     """Wait for the all-to-all that ``dispatch`` issued into ``slot``; returns its result
-    (``codec``: dispatch's; the issued exchange carries it)."""
+    (``y``: what dispatch returned; ``codec``: dispatch's, the issued exchange carries it)."""
+    if isinstance(y, tuple):
+        return _Arrive.apply(y[0], slot, out_splits, in_splits, group, label, *y[1:])
     return _Arrive.apply(y, slot, out_splits, in_splits, group, label)

@@ -69,14 +69,15 @@ def expert_all_to_all(m, hw, placement):
     (recipes/layers/dispatch.py): every-copy, each routed copy of a token to its
     expert's rank, self included (an all-to-all); deduplicated, each token once to each
     rank holding one of its experts, or, where the group spans nodes of several ranks,
-    once to each node and forwarded inside it; the copies' metadata (12 bytes each)
-    beside it, group-limited routing bounding the nodes (``group_limit``). The FP8
+    once to each node and forwarded inside it, each row with its routing slots beside
+    it, group-limited routing bounding the nodes (``group_limit``). The FP8
     payload shrinks the rows across nodes (forwarded inside the node decoded); the
     combine is in the activation dtype."""
     ep, mc, moe = m.ep, m.mc, m.section.moe
     if not (ep > 1 and mc.num_moe_layers()):
         return ExpertAllToAll(bandwidth=hw.fabric().nvlink(a2a=True))
     from ds_ext.comm.fp8 import row_bytes as fp8_row_bytes
+    from ds_ext.comm.alltoall import ORIGIN_BYTES, slot_bytes
 
     from .collectives import all_to_all, moe_dispatch, routing
     nodes = tuple(placement.node(0, d) for d in range(ep))
@@ -95,9 +96,12 @@ def expert_all_to_all(m, hw, placement):
     kw = dict(tokens=m.tokens, nodes=node_count, per_node=per_node, fabric=fabric, num_experts=mc.n_routed_experts,
               top_k=k, top_groups=group_limit(mc, node_count), forwarding=forwarding)
     r = routing(**{key: kw[key] for key in ("nodes", "per_node", "num_experts", "top_k", "top_groups")})
-    # each copy's (weight, row, expert) travels with its token: 12 bytes per copy
-    per_row = 12 * k / (r.nodes_per_token if forwarding else r.ranks_per_token)
-    cost, _ = moe_dispatch(token_bytes=sent_row + per_row, forward_bytes=row + 20 * k / r.ranks_per_token, **kw)
+    # a row carries its routing: min(k, the destination's experts) slots (fp32 weight, expert
+    # index), and forwarded inside the node also its origin
+    experts, slot = mc.n_routed_experts, slot_bytes(mc.n_routed_experts)
+    rank_slots = min(k, experts // ep) * slot
+    node_slots = min(k, experts // node_count) * slot if forwarding else rank_slots
+    cost, _ = moe_dispatch(token_bytes=sent_row + node_slots, forward_bytes=row + rank_slots + ORIGIN_BYTES, **kw)
     combine, _ = moe_dispatch(token_bytes=row, **kw)
     layer_bytes = (cost.inter_bytes + cost.intra_bytes + combine.inter_bytes + combine.intra_bytes) / (node_count
                                                                                                        * per_node)

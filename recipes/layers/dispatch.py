@@ -9,8 +9,9 @@ what crosses the network:
 - ``"every-copy"``: every copy travels, in the activation dtype, and every weighted
   expert output comes back; the source rank adds a token's k outputs in expert order.
 - ``"deduplicated"``: a token travels once to each rank holding at least one of its
-  experts (with, per copy, its weight, its row and its expert: 12 bytes), the receiving
-  rank gathers one input row per copy, applies the weights, adds the outputs of the
+  experts, its routing in the same exchange (min(k, the rank's experts) slots of an fp32
+  weight and an int16 expert index, as DeepEP sends top-k indices and weights beside the
+  row), the receiving rank gathers one input row per copy, applies the weights, adds the outputs of the
   token's local experts (in expert order) and sends one row back, which the source adds
   in rank order. With top-k over E experts on P ranks a token crosses to at most
   min(k, P) ranks instead of k. Where the expert-parallel group spans nodes of several
@@ -37,8 +38,8 @@ e4m3 with an fp32 scale per 128 channels (ds_ext/comm/fp8.py, its error bound th
 decoded on arrival; the routing, the combine and the backward stay in their own dtypes,
 as DeepSeek-V3 does.
 
-Both keep the asynchronous structure ds_ext.comm.alltoall gives: the counts exchange,
-then the dispatch in flight while the shared expert computes (or, interleaved with
+Both keep the asynchronous structure ds_ext.comm.alltoall gives, three exchanges a hop
+forward and two backward: the counts exchange, then the dispatch in flight while the shared expert computes (or, interleaved with
 another micro-batch's half, ds_ext.pipe.overlap, behind that half), the combine after
 the experts; the backward runs the reverse exchanges.
 """
@@ -49,15 +50,11 @@ from dataclasses import dataclass
 import torch
 
 from ds_ext.comm import alltoall, fp8
+from ds_ext.comm.alltoall import expert_id_dtype, slot_bytes
 from ds_ext.errors import ConfigError
 from ds_ext.pipe.overlap import interleaving
 from ds_ext.sections import MOE_DISPATCHERS as DISPATCHERS
 PAYLOADS = (None, "fp8")        # None: the activation dtype
-
-# deduplicated's per-copy metadata travels as fp32 (weight, row, expert, ...): an index
-# is exact in fp32 below 2**24
-_MAX_ROWS = 2**24
-
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -156,24 +153,19 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     forwarded inside the node to the ranks holding them; the FP8 payload applies to the
     hop across nodes (decoded at the forwarder, which sends the decoded rows on inside
     the node, so the experts see the same values either way)."""
-    tokens = flat.shape[0]
-    if tokens >= _MAX_ROWS:
-        raise ValueError(f"the deduplicated dispatcher carries row indices as fp32, exact below {_MAX_ROWS} rows; "
-                         f"this micro-batch has {tokens} tokens per rank: use a smaller micro-batch or "
-                         f"seekspeed.moe.dispatcher \"every-copy\"")
     order, token_of = _by_expert(indices)
-    expert = indices.reshape(-1)[order]
-    scale = weights.reshape(-1)[order]
-    meta = torch.stack([scale, token_of.to(scale.dtype), expert.to(scale.dtype)], dim=1)
+    top_k, id_dtype = indices.shape[1], expert_id_dtype(num_local * ep_size)
+    copies = Copies(row=token_of, expert=indices.reshape(-1)[order], weight=weights.reshape(-1)[order])
     final = functools.partial(_at_experts, experts=experts, num_local=num_local, ep_size=ep_size)
+    rank = copies.expert // num_local
     if hops is None:
-        return _send_once(flat, meta, expert // num_local, members=ep_size, group=group, codec=codec, inner=final,
-                          label="dispatch", shared=shared)
-    node = torch.tensor(hops.node_of, device=expert.device)[expert // num_local]
-    perm = torch.argsort(node, stable=True)
-    forward = functools.partial(_forwarder, hops=hops, num_local=num_local, final=final)
-    return _send_once(flat, meta[perm], node[perm], members=hops.nodes, group=hops.rail, codec=codec, inner=forward,
-                      label="dispatch", shared=shared)
+        return _send_once(flat, copies, rank, members=ep_size, slots=min(top_k, num_local), id_dtype=id_dtype,
+                          group=group, codec=codec, inner=final, label="dispatch", shared=shared)
+    node = torch.tensor(hops.node_of, device=rank.device)[rank]
+    forward = functools.partial(_forwarder, hops=hops, num_local=num_local, top_k=top_k, id_dtype=id_dtype,
+                                final=final)
+    return _send_once(flat, copies, node, members=hops.nodes, slots=min(top_k, num_local * hops.per_node),
+                      id_dtype=id_dtype, group=hops.rail, codec=codec, inner=forward, label="dispatch", shared=shared)
 
 
 @dataclass(frozen=True)
@@ -220,91 +212,103 @@ def make_node_hops(group_ranks, node_of, *, new_group):
     return hops
 
 
-# A copy's metadata, fp32 columns (integers exact below 2**24), as the first hop sends it:
-# the weight (the only differentiable one), its row among the rows sent with it, its
-# expert. Each hop's arrival rewrites the row (among all received rows) and appends two
-# columns: the member it came from and that row. After one hop these are the source rank
-# and the source's token order (_FROM, _ARRIVED); a forwarder sets them so before the
-# second hop, whose own two columns come after them.
-_WEIGHT, _ROW, _EXPERT, _FROM, _ARRIVED = range(5)
+@dataclass(frozen=True)
+class Copies:
+    """A hop's routed copies: each one's row (among the rows the hop sends from), expert
+    (global index) and routing weight (differentiable)."""
+    row: torch.Tensor
+    expert: torch.Tensor
+    weight: torch.Tensor
 
 
-def _send_once(x, meta, member, *, members, group, codec, inner, label, shared=None):
-    """One hop: each row of ``x`` [N, H] that a copy goes to is sent once to each group
-    member a copy goes to, with the copies' ``meta`` [C, F] (``member`` [C]: where each
-    copy goes; copies sorted by member, their order kept); on the member, ``inner(rows,
-    meta)`` (meta's _ROW now indexing ``rows``, _FROM and _ARRIVED appended) returns one
-    output row per received row, which comes back. Returns (per row of ``x`` the sum of
-    what came back for it, in member order; ``shared()``'s output, computed while the
-    dispatch is in flight, or None)."""
+def _send_once(x, copies, member, *, members, slots, id_dtype, group, codec, inner, label, shared=None,
+               origin=None):
+    """One hop: each row of ``x`` [N, H] that a copy goes to (``copies``, ``member`` [C]:
+    where each copy goes) is sent once to each group member a copy goes to, in one
+    exchange with its routing: ``slots`` (the most copies a row can have on one member)
+    pairs of (weight, expert), an empty slot's expert -1; with ``origin`` [N, 2] (int32,
+    set by a forwarder) also the row's origin. On the member, ``inner(rows, weights,
+    experts, source, order)`` ([R, H]; [R, slots] twice; [R] twice: the origin that came
+    with the rows, else the member each came from and its place in arrival order)
+    returns one output row per received row, which comes back. Returns (per row of ``x``
+    the sum of what came back for it, in member order; ``shared()``'s output, computed
+    while the dispatch is in flight, or None)."""
     n = x.shape[0]
-    row = meta[:, _ROW].detach().long()
-    keys, row_of_copy = torch.unique(member * n + row, sorted=True, return_inverse=True)
+    keys, row_of_copy = torch.unique(member * n + copies.row, sorted=True, return_inverse=True)
     row_src = keys % n
     rows_to = torch.bincount(keys // n, minlength=members)
-    copies_to = torch.bincount(member, minlength=members)
-    local_row = row_of_copy - (rows_to.cumsum(0) - rows_to)[member]
     interleaved = interleaving()       # as in _every_copy
-    header = alltoall.start(torch.stack([copies_to, rows_to], dim=1).reshape(-1), out_splits=[2] * members,
-                            in_splits=[2] * members, group=group, label="F counts")
+    header = alltoall.start(rows_to, out_splits=[1] * members, in_splits=[1] * members, group=group,
+                            label="F counts")
     sent = x[row_src]
-    meta = torch.cat([meta[:, :_ROW], local_row.to(meta.dtype).unsqueeze(1), meta[:, _ROW + 1:]], dim=1)
+    # each copy takes the next free slot of its row, in the copies' order
+    by_row = torch.argsort(row_of_copy, stable=True)
+    ranked = row_of_copy[by_row]
+    slot = torch.empty_like(by_row)
+    slot[by_row] = torch.arange(len(by_row), device=x.device) - torch.searchsorted(ranked, ranked)
+    weight = copies.weight.new_zeros(len(keys), slots).index_put((row_of_copy, slot), copies.weight)
+    expert = torch.full((len(keys), slots), -1, dtype=id_dtype, device=x.device)
+    expert[row_of_copy, slot] = copies.expert.to(id_dtype)
+    extra = (weight, expert) if origin is None else (weight, expert, origin[row_src])
     out_shared = shared() if shared is not None and interleaved else None
-    header = header.wait().view(members, 2)
-    copies_in, rows_in = header[:, 0], header[:, 1]
-    rows = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label=label, codec=codec)
-    copies = dict(out_splits=copies_in.tolist(), in_splits=copies_to.tolist(), group=group, label=label + " routing")
-    row_slot, copy_slot = alltoall.Slot(), alltoall.Slot()
-    received = alltoall.dispatch(sent, row_slot, **rows)
-    meta = alltoall.dispatch(meta, copy_slot, **copies)
+    rows_in = header.wait()
+    route = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label=label, codec=codec)
+    hop = alltoall.Slot()
+    received = alltoall.dispatch(sent, hop, extra=extra, **route)
     if shared is not None and not interleaved:
         out_shared = shared()
-    received = alltoall.arrive(received, row_slot, **rows)
-    meta = alltoall.arrive(meta, copy_slot, **copies)
-    source = torch.repeat_interleave(torch.arange(members, device=copies_in.device), copies_in)
-    arrived = meta[:, _ROW].detach().long() + (rows_in.cumsum(0) - rows_in)[source]
-    meta = torch.cat([meta[:, :_ROW], arrived.to(meta.dtype).unsqueeze(1), meta[:, _ROW + 1:],
-                      source.to(meta.dtype).unsqueeze(1), arrived.to(meta.dtype).unsqueeze(1)], dim=1)
+    rows, weight, expert, *came = alltoall.arrive(received, hop, **route)
+    if came:
+        source, order = came[0].long().unbind(1)
+    else:
+        source = torch.repeat_interleave(torch.arange(members, device=rows.device), rows_in)
+        order = torch.arange(rows.shape[0], device=rows.device)
     back = dict(out_splits=rows_to.tolist(), in_splits=rows_in.tolist(), group=group,
                 label=label.replace("dispatch", "combine"))
-    slot = alltoall.Slot()
-    out = alltoall.arrive(alltoall.dispatch(inner(received, meta), slot, **back), slot, **back)
+    hop = alltoall.Slot()
+    out = alltoall.arrive(alltoall.dispatch(inner(rows, weight, expert, source, order), hop, **back), hop, **back)
     return torch.zeros_like(x).index_add(0, row_src, out), out_shared
 
 
-def _at_experts(rows, meta, *, experts, num_local, ep_size):
+def _copies_of(weight, expert):
+    """The copies a hop received, row by row, each row's in slot order: (row, expert)
+    as int64, and their weights (differentiable)."""
+    row, slot = (expert >= 0).nonzero(as_tuple=True)
+    return row, expert[row, slot].long(), weight[row, slot]
+
+
+def _at_experts(rows, weight, expert, source, order, *, experts, num_local, ep_size):
     """The last hop's receiving side: the copies put in the layout the experts run on
-    (by original source rank, then local expert, then the source's token order), the
-    experts run, each copy's output weighted and the outputs of a row's copies added
-    (in expert order): one row per received row. ``ep_rank_of``: when the copies came
-    through a forwarder, _FROM and _ARRIVED are the ones it set (the source rank and the
-    row at the forwarder, in the source's token order); after one hop the arrival's own."""
-    expert = meta[:, _EXPERT].detach().long() % num_local
-    source = meta[:, _FROM].detach().long()
-    order = meta[:, _ARRIVED].detach().long()
-    perm = torch.argsort((source * num_local + expert) * _MAX_ROWS + order, stable=True)
-    meta = meta[perm]
-    row = meta[:, _ROW].detach().long()
-    counts = torch.bincount(source[perm] * num_local + expert[perm], minlength=ep_size * num_local)
+    (by source rank, then local expert, then the row's place in the source's token
+    order), the experts run, each copy's output weighted and the outputs of a row's
+    copies added (in expert order): one row per received row."""
+    row, expert, weight = _copies_of(weight, expert)
+    local = expert % num_local
+    # (source, local expert, order) is unique per copy; order < 2**31 (int32 on the wire)
+    perm = torch.argsort((source[row] * num_local + local) * 2**31 + order[row])
+    row, local, weight = row[perm], local[perm], weight[perm]
+    counts = torch.bincount(source[row] * num_local + local, minlength=ep_size * num_local)
     outputs = experts(rows[row], counts.view(ep_size, num_local).tolist())
-    weighted = (outputs * meta[:, _WEIGHT:_WEIGHT + 1]).to(rows.dtype)
+    weighted = (outputs * weight.unsqueeze(1)).to(rows.dtype)
     return torch.zeros_like(rows).index_add(0, row, weighted)
 
 
-def _forwarder(rows, meta, *, hops, num_local, final):
+def _forwarder(rows, weight, expert, node_from, order, *, hops, num_local, top_k, id_dtype, final):
     """A node's receiving rank for tokens from other nodes (the rank with the sender's
-    local index): it records each copy's source rank and its row (the source's token
-    order), then sends each row once to every rank of the node holding one of its
-    copies' experts; what comes back is summed per row (in local-rank order)."""
-    node_from = meta[:, _FROM].detach().long()                    # the rail member: the source's node
-    local = torch.tensor(hops.local_of, device=meta.device)[meta[:, _EXPERT].detach().long() // num_local]
+    local index): it sends each row once to every rank of the node holding one of its
+    copies' experts, with the row's origin (the source rank, the row's place here: in
+    the source's token order), and sums what comes back per row (in local-rank order)."""
+    row, expert, weight = _copies_of(weight, expert)
+    local = torch.tensor(hops.local_of, device=rows.device)[expert // num_local]
     mine = hops.local_of[hops.me]
-    source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)], device=meta.device)[node_from]
-    meta = torch.cat([meta[:, :_FROM], source.to(meta.dtype).unsqueeze(1), meta[:, _ARRIVED:_ARRIVED + 1]], dim=1)
-    perm = torch.argsort(local, stable=True)
-    out, _ = _send_once(rows, meta[perm], local[perm], members=hops.per_node, group=hops.node, codec=None,
-                        inner=final, label="dispatch in-node")
+    source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)], device=rows.device)[node_from]
+    origin = torch.stack([source, order], dim=1).to(torch.int32)
+    out, _ = _send_once(rows, Copies(row=row, expert=expert, weight=weight), local, members=hops.per_node,
+                        slots=min(top_k, num_local), id_dtype=id_dtype, group=hops.node, codec=None, inner=final,
+                        label="dispatch in-node", origin=origin)
     return out
+
+
 def check_node_limited(router, *, group_nodes):
     """Group-limited routing (``n_group`` groups of consecutive experts, ``topk_group``
     of them chosen per token) bounds the nodes a token reaches to ``topk_group`` when
@@ -333,8 +337,9 @@ def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size,
     combine under ``dispatch`` (a Dispatch), counted from its routing ``indices`` [T, k]:
     {"dispatch": bytes, "combine": bytes, "copies_out": copies sent there, "rows_out":
     rows sent there}. ``node_of`` (each rank's node): the deduplicated dispatch forwards
-    inside nodes, so a token goes once to each node. The counts exchange (a few integers
-    per destination) is left out; each copy's metadata is 12 bytes (weight, row, expert)."""
+    inside nodes, so a token goes once to each node. The counts exchange (one integer per
+    destination) is left out; a deduplicated row carries min(k, the destination's experts)
+    routing slots (``slot_bytes`` each)."""
     dest = indices // (num_experts // ep_size)                               # [T, k]
     far = torch.as_tensor(counted, dtype=torch.bool)
     copies_out = int(far[dest].sum())
@@ -347,5 +352,6 @@ def wire_bytes(dispatch, indices, *, hidden, element_size, num_experts, ep_size,
     hit = torch.zeros(indices.shape[0], len(unit_far), dtype=torch.bool)
     hit.scatter_(1, units[dest], True)
     rows_out = int((hit & unit_far).sum())
-    return {"dispatch": rows_out * row + copies_out * 12, "combine": rows_out * back, "copies_out": copies_out,
-            "rows_out": rows_out}
+    slots = min(indices.shape[1], num_experts // len(unit_far))
+    return {"dispatch": rows_out * (row + slots * slot_bytes(num_experts)), "combine": rows_out * back,
+            "copies_out": copies_out, "rows_out": rows_out}
