@@ -153,18 +153,16 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     forwarded inside the node to the ranks holding them; the FP8 payload applies to the
     hop across nodes (decoded at the forwarder, which sends the decoded rows on inside
     the node, so the experts see the same values either way)."""
-    order, token_of = _by_expert(indices)
     top_k, id_dtype = indices.shape[1], expert_id_dtype(num_local * ep_size)
-    copies = Copies(row=token_of, expert=indices.reshape(-1)[order], weight=weights.reshape(-1)[order])
     final = functools.partial(_at_experts, experts=experts, num_local=num_local, ep_size=ep_size)
-    rank = copies.expert // num_local
+    rank = indices // num_local
     if hops is None:
-        return _send_once(flat, copies, rank, members=ep_size, slots=min(top_k, num_local), id_dtype=id_dtype,
-                          group=group, codec=codec, inner=final, label="dispatch", shared=shared)
+        return _send_once(flat, weights, indices, rank, members=ep_size, slots=min(top_k, num_local),
+                          id_dtype=id_dtype, group=group, codec=codec, inner=final, label="dispatch", shared=shared)
     node = torch.tensor(hops.node_of, device=rank.device)[rank]
     forward = functools.partial(_forwarder, hops=hops, num_local=num_local, top_k=top_k, id_dtype=id_dtype,
                                 final=final)
-    return _send_once(flat, copies, node, members=hops.nodes, slots=min(top_k, num_local * hops.per_node),
+    return _send_once(flat, weights, indices, node, members=hops.nodes, slots=min(top_k, num_local * hops.per_node),
                       id_dtype=id_dtype, group=hops.rail, codec=codec, inner=forward, label="dispatch", shared=shared)
 
 
@@ -212,44 +210,40 @@ def make_node_hops(group_ranks, node_of, *, new_group):
     return hops
 
 
-@dataclass(frozen=True)
-class Copies:
-    """A hop's routed copies: each one's row (among the rows the hop sends from), expert
-    (global index) and routing weight (differentiable)."""
-    row: torch.Tensor
-    expert: torch.Tensor
-    weight: torch.Tensor
-
-
-def _send_once(x, copies, member, *, members, slots, id_dtype, group, codec, inner, label, shared=None,
+def _send_once(x, weight, expert, member, *, members, slots, id_dtype, group, codec, inner, label, shared=None,
                origin=None):
-    """One hop: each row of ``x`` [N, H] that a copy goes to (``copies``, ``member`` [C]:
-    where each copy goes) is sent once to each group member a copy goes to, in one
-    exchange with its routing: ``slots`` (the most copies a row can have on one member)
-    pairs of (weight, expert), an empty slot's expert -1; with ``origin`` [N, 2] (int32,
-    set by a forwarder) also the row's origin. On the member, ``inner(rows, weights,
-    experts, source, order)`` ([R, H]; [R, slots] twice; [R] twice: the origin that came
-    with the rows, else the member each came from and its place in arrival order)
-    returns one output row per received row, which comes back. Returns (per row of ``x``
-    the sum of what came back for it, in member order; ``shared()``'s output, computed
-    while the dispatch is in flight, or None)."""
-    n = x.shape[0]
-    keys, row_of_copy = torch.unique(member * n + copies.row, sorted=True, return_inverse=True)
-    row_src = keys % n
-    rows_to = torch.bincount(keys // n, minlength=members)
+    """One hop. Row n of ``x`` [N, H] has copies ``expert`` [N, s] (global indices; -1:
+    none) with routing ``weight`` [N, s] (differentiable) going to group members
+    ``member`` [N, s] (``members`` where there is no copy); it is sent once to each
+    member its copies go to, in one exchange with its routing: ``slots`` (the most copies
+    a row can have on one member) pairs of (weight, expert), an empty slot's expert -1,
+    and with ``origin`` [N, 2] (int32, set by a forwarder) the row's origin. On the
+    member, ``inner(rows, weights, experts, source, order)`` ([R, H]; [R, slots] twice;
+    [R] twice: the origin that came with the rows, else the member each came from and
+    its place in arrival order) returns one output row per received row, which comes
+    back. Returns (per row of ``x`` the sum of what came back for it, in member order;
+    ``shared()``'s output, computed while the dispatch is in flight, or None)."""
+    n, device = x.shape[0], x.device
+    goes = torch.zeros(n, members + 1, dtype=torch.bool, device=device).scatter_(1, member, True)
+    goes = goes[:, :members].t()                                         # [members, N]
+    rows_to = goes.sum(1)
     interleaved = interleaving()       # as in _every_copy
     header = alltoall.start(rows_to, out_splits=[1] * members, in_splits=[1] * members, group=group,
                             label="F counts")
+    # the rows sent, by member then row; each copy's sent row, and its slot there (the
+    # copies of a row to one member take its slots in their order)
+    row_src = goes.nonzero(as_tuple=True)[1]
+    place = goes.reshape(-1).cumsum(0).view(members, n) - 1
+    sent_row = place[member.clamp(max=members - 1), torch.arange(n, device=device).unsqueeze(1)]
+    slot = (member.unsqueeze(2) == member.unsqueeze(1)).tril(-1).sum(2)
+    if origin is not None:
+        kept = expert >= 0
+        sent_row, slot, weight, expert = sent_row[kept], slot[kept], weight[kept], expert[kept]
     sent = x[row_src]
-    # each copy takes the next free slot of its row, in the copies' order
-    by_row = torch.argsort(row_of_copy, stable=True)
-    ranked = row_of_copy[by_row]
-    slot = torch.empty_like(by_row)
-    slot[by_row] = torch.arange(len(by_row), device=x.device) - torch.searchsorted(ranked, ranked)
-    weight = copies.weight.new_zeros(len(keys), slots).index_put((row_of_copy, slot), copies.weight)
-    expert = torch.full((len(keys), slots), -1, dtype=id_dtype, device=x.device)
-    expert[row_of_copy, slot] = copies.expert.to(id_dtype)
-    extra = (weight, expert) if origin is None else (weight, expert, origin[row_src])
+    routing_weight = weight.new_zeros(len(row_src), slots).index_put((sent_row, slot), weight)
+    routing_expert = torch.full((len(row_src), slots), -1, dtype=id_dtype, device=device)
+    routing_expert[sent_row, slot] = expert.to(id_dtype)
+    extra = (routing_weight, routing_expert) if origin is None else (routing_weight, routing_expert, origin[row_src])
     out_shared = shared() if shared is not None and interleaved else None
     rows_in = header.wait()
     route = dict(out_splits=rows_in.tolist(), in_splits=rows_to.tolist(), group=group, label=label, codec=codec)
@@ -261,8 +255,8 @@ def _send_once(x, copies, member, *, members, slots, id_dtype, group, codec, inn
     if came:
         source, order = came[0].long().unbind(1)
     else:
-        source = torch.repeat_interleave(torch.arange(members, device=rows.device), rows_in)
-        order = torch.arange(rows.shape[0], device=rows.device)
+        source = torch.repeat_interleave(torch.arange(members, device=device), rows_in)
+        order = torch.arange(rows.shape[0], device=device)
     back = dict(out_splits=rows_to.tolist(), in_splits=rows_in.tolist(), group=group,
                 label=label.replace("dispatch", "combine"))
     hop = alltoall.Slot()
@@ -270,26 +264,19 @@ def _send_once(x, copies, member, *, members, slots, id_dtype, group, codec, inn
     return torch.zeros_like(x).index_add(0, row_src, out), out_shared
 
 
-def _copies_of(weight, expert):
-    """The copies a hop received, row by row, each row's in slot order: (row, expert)
-    as int64, and their weights (differentiable)."""
-    row, slot = (expert >= 0).nonzero(as_tuple=True)
-    return row, expert[row, slot].long(), weight[row, slot]
-
-
 def _at_experts(rows, weight, expert, source, order, *, experts, num_local, ep_size):
     """The last hop's receiving side: the copies put in the layout the experts run on
     (by source rank, then local expert, then the row's place in the source's token
     order), the experts run, each copy's output weighted and the outputs of a row's
     copies added (in expert order): one row per received row."""
-    row, expert, weight = _copies_of(weight, expert)
-    local = expert % num_local
+    row, slot = (expert >= 0).nonzero(as_tuple=True)
+    local = expert[row, slot].long() % num_local
     # (source, local expert, order) is unique per copy; order < 2**31 (int32 on the wire)
     perm = torch.argsort((source[row] * num_local + local) * 2**31 + order[row])
-    row, local, weight = row[perm], local[perm], weight[perm]
+    row, slot, local = row[perm], slot[perm], local[perm]
     counts = torch.bincount(source[row] * num_local + local, minlength=ep_size * num_local)
     outputs = experts(rows[row], counts.view(ep_size, num_local).tolist())
-    weighted = (outputs * weight.unsqueeze(1)).to(rows.dtype)
+    weighted = (outputs * weight[row, slot].unsqueeze(1)).to(rows.dtype)
     return torch.zeros_like(rows).index_add(0, row, weighted)
 
 
@@ -298,14 +285,15 @@ def _forwarder(rows, weight, expert, node_from, order, *, hops, num_local, top_k
     local index): it sends each row once to every rank of the node holding one of its
     copies' experts, with the row's origin (the source rank, the row's place here: in
     the source's token order), and sums what comes back per row (in local-rank order)."""
-    row, expert, weight = _copies_of(weight, expert)
-    local = torch.tensor(hops.local_of, device=rows.device)[expert // num_local]
+    expert = expert.long()
+    local_of = torch.tensor(hops.local_of + (hops.per_node, ), device=rows.device)
+    local = local_of[torch.where(expert >= 0, expert // num_local, len(hops.local_of))]
     mine = hops.local_of[hops.me]
     source = torch.tensor([hops.ep_rank_of[j][mine] for j in range(hops.nodes)], device=rows.device)[node_from]
     origin = torch.stack([source, order], dim=1).to(torch.int32)
-    out, _ = _send_once(rows, Copies(row=row, expert=expert, weight=weight), local, members=hops.per_node,
-                        slots=min(top_k, num_local), id_dtype=id_dtype, group=hops.node, codec=None, inner=final,
-                        label="dispatch in-node", origin=origin)
+    out, _ = _send_once(rows, weight, expert, local, members=hops.per_node, slots=min(top_k, num_local),
+                        id_dtype=id_dtype, group=hops.node, codec=None, inner=final, label="dispatch in-node",
+                        origin=origin)
     return out
 
 
