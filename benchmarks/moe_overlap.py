@@ -50,7 +50,11 @@ STAGES, DP, EP = 2, 2, 2
 def _model_overrides(args):
     return {"num_hidden_layers": args.layers, "first_k_dense_replace": 1, "hidden_size": args.hidden,
             "moe_intermediate_size": args.moe_inter, "n_routed_experts": args.experts,
-            "num_experts_per_tok": args.top_k, "n_group": 1, "topk_group": 1}
+            "num_experts_per_tok": args.top_k, "n_group": args.groups, "topk_group": args.topk_groups}
+
+
+def _engines(args):
+    return [(schedule, overlap) for schedule, overlap in ENGINES if schedule in args.schedules]
 
 
 def _sleep_moe(sleep_s):
@@ -106,7 +110,7 @@ def _ranks(args):
     from recipes.layers.dispatch import Dispatch
     engines = {}
     for dispatcher in args.dispatchers:
-        for schedule, overlap in ENGINES:
+        for schedule, overlap in _engines(args):
             model = deepseek_v3.build_pipeline(config, num_stages=STAGES, schedule=schedule, seed=3,
                                                expert_parallel_size=EP, moe_dispatch=Dispatch(dispatcher))
             engines[(schedule, overlap, dispatcher)] = initialize(model=model, config=ds_config, schedule=schedule,
@@ -188,9 +192,9 @@ def _launch(args, rows_json):
     cross the shaped link and the pipeline pairs 0-2 and 1-3 do not."""
     script = [sys.executable, os.path.abspath(__file__), "--rows-json", rows_json]
     for name in ("steps", "warmup", "micro_batches", "micro_batch", "seq", "layers", "hidden", "moe_inter", "experts",
-                 "top_k", "moe", "sleep_ms"):
+                 "top_k", "groups", "topk_groups", "moe", "sleep_ms"):
         script += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    script += ["--dispatchers", *args.dispatchers]
+    script += ["--dispatchers", *args.dispatchers, "--schedules", *args.schedules]
     if args.trace_dir:
         script += ["--trace-dir", os.path.abspath(args.trace_dir)]
     return ranks_in_namespaces(script, node_of=[rank % 2 for rank in range(4)], rate=args.rate,
@@ -213,6 +217,9 @@ def main():
     p.add_argument("--moe-inter", type=int, default=96)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--groups", type=int, default=1, help="n_group: expert groups for group-limited routing "
+                   "(tiny-moe's preset: 4)")
+    p.add_argument("--topk-groups", type=int, default=1, help="topk_group: groups chosen per token (tiny-moe's: 2)")
     p.add_argument("--master-port", type=int, default=29741)
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--experts-shapes", nargs="*", default=["v2-lite-h512", "tiny-moe"],
@@ -220,13 +227,17 @@ def main():
     p.add_argument("--experts-repeats", type=int, default=3)
     p.add_argument("--dispatchers", nargs="+", default=["every-copy", "deduplicated"],
                    choices=["every-copy", "deduplicated"], help="the MoE token dispatchers, each with every engine")
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "dualpipev-zb", "dualpipe"],
+                   choices=["1f1b", "dualpipev-zb", "dualpipe"], help="the schedules to run (1f1b is the baseline)")
     p.add_argument("--trace-dir", help="write each engine's last step as a Chrome trace and a PNG here")
     p.add_argument("--json")
     p.add_argument("--rows-json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rows_json and "RANK" in os.environ:
         return _ranks(args)
-    print(f"[moe_overlap] {len(ENGINES)} engines on 2 simulated nodes x 2 ranks, {args.rate} between nodes, "
+    if "1f1b" not in args.schedules:
+        p.error("--schedules must include 1f1b: the other schedules are set against it")
+    print(f"[moe_overlap] {len(_engines(args))} engines on 2 simulated nodes x 2 ranks, {args.rate} between nodes, "
           f"moe {args.moe}; {args.warmup} + {args.steps} steps each ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="moe-overlap-rows-") as tmp:
         rows = _launch(args, os.path.join(tmp, "rows.json"))
@@ -235,7 +246,7 @@ def main():
     share = base["a2a_exposed_ms"] / base["step_ms"]
     print(machine_line())
     print(f"\ntiny-moe shape: hidden {args.hidden}, {args.layers} layers ({args.layers - 1} MoE), {args.experts} experts "
-          f"top-{args.top_k}, moe_intermediate {args.moe_inter}; micro-batch {args.micro_batch} x {args.seq} tokens, "
+          f"top-{args.top_k} ({args.topk_groups} of {args.groups} groups), moe_intermediate {args.moe_inter}; micro-batch {args.micro_batch} x {args.seq} tokens, "
           f"{args.micro_batches} micro-batches; 2 stages x 2 replicas, EP 2 across the {args.rate} link; moe {args.moe}")
     print(f"all-to-all waited for in the sequential 1f1b step: {share:.0%} of it")
     print(f"{'dispatcher':<13} {'schedule':<14} {'overlap':<7} {'step ms':>8} {'vs 1f1b':>8} {'vs every':>8} "

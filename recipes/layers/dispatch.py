@@ -125,7 +125,7 @@ def _every_copy(flat, weights, indices, *, experts, shared, num_local, ep_size, 
     interleaved = interleaving()
     counts = alltoall.start(per_expert, out_splits=[num_local] * ep_size, in_splits=[num_local] * ep_size,
                             group=group, label="F counts")
-    sent = flat[token_of]
+    sent = flat.index_select(0, token_of)
     if interleaved:
         out_shared = shared()
     counts = counts.wait().view(ep_size, num_local)        # [source, local expert] counts
@@ -239,7 +239,7 @@ def _send_once(x, weight, expert, member, *, members, slots, id_dtype, group, co
     if origin is not None:
         kept = expert >= 0
         sent_row, slot, weight, expert = sent_row[kept], slot[kept], weight[kept], expert[kept]
-    sent = x[row_src]
+    sent = x.index_select(0, row_src)
     routing_weight = weight.new_zeros(len(row_src), slots).index_put((sent_row, slot), weight)
     routing_expert = torch.full((len(row_src), slots), -1, dtype=id_dtype, device=device)
     routing_expert[sent_row, slot] = expert.to(id_dtype)
@@ -269,14 +269,16 @@ def _at_experts(rows, weight, expert, source, order, *, experts, num_local, ep_s
     (by source rank, then local expert, then the row's place in the source's token
     order), the experts run, each copy's output weighted and the outputs of a row's
     copies added (in expert order): one row per received row."""
-    row, slot = (expert >= 0).nonzero(as_tuple=True)
-    local = expert[row, slot].long() % num_local
+    # the copies, row by row (a row's in slot order), as indices into the flat [R * slots]
+    copy = (expert >= 0).view(-1).nonzero().squeeze(1)
+    row = copy // expert.shape[1]
+    local = expert.view(-1).index_select(0, copy).long() % num_local
     # (source, local expert, order) is unique per copy; order < 2**31 (int32 on the wire)
     perm = torch.argsort((source[row] * num_local + local) * 2**31 + order[row])
-    row, slot, local = row[perm], slot[perm], local[perm]
+    copy, row, local = copy[perm], row[perm], local[perm]
     counts = torch.bincount(source[row] * num_local + local, minlength=ep_size * num_local)
-    outputs = experts(rows[row], counts.view(ep_size, num_local).tolist())
-    weighted = (outputs * weight[row, slot].unsqueeze(1)).to(rows.dtype)
+    outputs = experts(rows.index_select(0, row), counts.view(ep_size, num_local).tolist())
+    weighted = (outputs * weight.view(-1).index_select(0, copy).unsqueeze(1)).to(rows.dtype)
     return torch.zeros_like(rows).index_add(0, row, weighted)
 
 
