@@ -3,7 +3,8 @@ one DeepSeekMoE layer per rank with the same weights, each rank its own tokens, 
 same output gradient given to both dispatchers:
 
 - top-2 (tiny-moe's routing) at expert parallelism 2 and 4, fp32, bf16 and the fp8
-  payload, and top-8 of 32 experts at expert parallelism 1: the dispatchers' outputs,
+  payload, top-8 of 32 experts at expert parallelism 1, and top-2 with every token
+  choosing the first rank's experts (the other ranks receive no rows): the dispatchers' outputs,
   input gradients and every parameter gradient are bitwise equal (with at most two
   copies per token, or one rank, a token's sum is the same floating-point operations in
   every association); at expert parallelism 4 also deduplicated with the group taken as
@@ -39,6 +40,8 @@ def _layer(routing, *, dispatcher, ep, ep_rank, group, dtype, payload=None):
     from recipes import deepseek_v3
     from recipes.layers.dispatch import Dispatch
     from recipes.layers.moe import DeepSeekMoE
+    routing = dict(routing)
+    favour = routing.pop("favour", None)
     config = deepseek_v3.make_config("tiny-moe", {"hidden_size": HIDDEN, "moe_intermediate_size": INTER, **routing})
     layer = DeepSeekMoE(config, ep_size=ep, ep_rank=ep_rank, dispatch=Dispatch(dispatcher, payload),
                         experts_impl="loop")
@@ -48,6 +51,9 @@ def _layer(routing, *, dispatcher, ep, ep_rank, group, dtype, payload=None):
             if "deepspeed_moe" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     layer.init_experts(seed=3, std=0.2)
+    if favour is not None:
+        # a selection bias no score can beat: every token chooses among these experts
+        layer.gate.e_score_correction_bias[favour] = 100.0
     layer.ep_group = group
     return layer.to(dtype).train()
 
@@ -123,6 +129,10 @@ def _cases():
     return {"top2-ep2-fp32": (TOP2, 2, torch.float32), "top2-ep4-fp32": (TOP2, 4, torch.float32),
             "top2-ep4-bf16": (TOP2, 4, torch.bfloat16), "top2-ep4-fp8": (TOP2, 4, torch.bfloat16, "fp8"),
             "top8-ep1-fp32": (TOP8, 1, torch.float32),
+            # every token to the first rank's experts: the others receive no rows (and node 1
+            # forwards none)
+            "top2-ep2-skewed": (dict(TOP2, favour=[0, 1, 2, 3]), 2, torch.float32),
+            "top2-ep4-skewed": (dict(TOP2, favour=[0, 1]), 4, torch.float32),
             "top8-ep4-fp32": (TOP8, 4, torch.float32), "top8-ep4-bf16": (TOP8, 4, torch.bfloat16)}
 
 
@@ -141,7 +151,8 @@ def _bitwise(a, b, what):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["top2-ep2-fp32", "top2-ep4-fp32", "top2-ep4-bf16", "top2-ep4-fp8", "top8-ep1-fp32"])
+@pytest.mark.parametrize("key", ["top2-ep2-fp32", "top2-ep4-fp32", "top2-ep4-bf16", "top2-ep4-fp8", "top8-ep1-fp32",
+                                 "top2-ep2-skewed", "top2-ep4-skewed"])
 def test_dispatchers_bitwise_equal_where_the_sums_associate_alike(results, key):
     for rank, res in enumerate(results):
         _bitwise(res[key]["every-copy"], res[key]["deduplicated"], f"{key} rank {rank}")

@@ -36,6 +36,7 @@ the time the computing thread was blocked on it (exposed).
 """
 
 import contextlib
+import math
 import time
 
 import torch
@@ -110,8 +111,8 @@ class Exchange:
 
 
 def _as_bytes(t):
-    """A contiguous [R, ...] tensor's rows as bytes, uint8 [R, B] (a view)."""
-    return t.view(t.shape[0], -1).view(torch.uint8)
+    """A contiguous [R, ...] tensor's rows as bytes, uint8 [R, B] (a view; R may be 0)."""
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def start(tensor, *, out_splits, in_splits, group, label, codec=None, extra=()):
