@@ -209,7 +209,7 @@ def _build_model(plan, control, *, rank):
     from .topology.setup import plan as plan_topology
     s, layout, model_config = plan.section, plan.layout, plan.model_config
     topo = plan_topology(s.topology, layout=layout, model_config=model_config, ds=plan.cfg.ds,
-                         stage_params=plan.stage_params, ep=s.moe.expert_parallel_size,
+                         stage_params=plan.stage_params, moe=s.moe,
                          log=rank0_log(rank))
     model = plan.recipe.build_pipeline(
         model_config, topology=deepspeed_topology(topo.placement, pp=layout.pipe_stages, dp=layout.data_parallel),

@@ -184,3 +184,30 @@ def test_probe_measures_every_pair():
     assert all((r == g).all() for r in results)           # every rank gets the same matrix
     off = g[~np.eye(3, dtype=bool)]
     assert (off > 0).all() and np.isinf(np.diag(g)).all()
+
+
+def test_placement_traffic_counts_the_expert_bytes_the_dispatcher_sends():
+    """The placement model's expert all-to-all is the configured dispatcher's: every-copy
+    k rows a token, deduplicated one row to each rank holding its experts (the expected
+    count under free routing: P ranks x P(a rank's E/P experts get one of k), for top-8 of
+    32 over 4 ranks 4 x (1 - C(24, 8) / C(32, 8))) with min(k, E/P) routing slots of 6
+    bytes, FP8 on the forward dispatch only."""
+    import math
+    from types import SimpleNamespace
+
+    from ds_ext.sections import MoeSection
+    from ds_ext.topology.setup import estimate_traffic
+    from recipes import deepseek_v3
+    mc = deepseek_v3.make_config("tiny-moe", {"hidden_size": 128, "n_routed_experts": 32, "num_experts_per_tok": 8})
+    layout = SimpleNamespace(micro_batch=2, seq_len=64, grad_accum=4, pipe_stages=1)
+    kw = dict(model_config=mc, layout=layout, ds={}, stage_params=1e6, compute_tflops=1.0)
+    tokens = 2 * 64 * 4 * mc.num_moe_layers()
+    every = estimate_traffic(moe=MoeSection(expert_parallel_size=4, dispatcher="every-copy"), **kw).expert_bytes
+    assert every == tokens * 8 * 128 * 4
+    dedup = estimate_traffic(moe=MoeSection(expert_parallel_size=4), **kw).expert_bytes
+    rows = 4 * (1 - math.comb(24, 8) / math.comb(32, 8))
+    assert math.isclose(dedup, tokens * rows * (128 * 4 + 8 * 6 / 4), rel_tol=1e-12)
+    assert dedup < 0.5 * every
+    fp8 = estimate_traffic(moe=MoeSection(expert_parallel_size=4, dispatch_dtype="fp8"), **kw).expert_bytes
+    assert math.isclose(fp8, tokens * rows * ((132 + 8 * 6) + 3 * 128 * 4) / 4, rel_tol=1e-12)
+    assert estimate_traffic(moe=SimpleNamespace(expert_parallel_size=1), **kw).expert_bytes == 0.0

@@ -32,7 +32,7 @@ def place(m, hw, *, ranks_per_node, bounds):
     chunks = [m.rows[bounds[p]:bounds[p + 1]] for p in range(m.parts)]
     rank_params = max(sum(r["params"] for p in m.sched.rank_chunks(rank=rank, stages=pp) for r in chunks[p])
                       for rank in range(pp))        # what the trainer's placement choice is given
-    traffic = estimate_traffic(model_config=mc, layout=lay, ds=m.cfg.ds, stage_params=rank_params, ep=m.ep,
+    traffic = estimate_traffic(model_config=mc, layout=lay, ds=m.cfg.ds, stage_params=rank_params, moe=s.moe,
                                compute_tflops=hw.flops / 1e12)
     name = s.topology.placement
     if name == "auto":

@@ -109,18 +109,34 @@ def bandwidth_matrix(section, *, world_size, log):
                          inter_gbps=section.inter_node_gbps, source="launcher")
 
 
-def estimate_traffic(*, model_config, layout, ds, stage_params, ep, compute_tflops):
-    """Bytes per optimizer step for the placement model, from the model and the batch."""
+def estimate_traffic(*, model_config, layout, ds, stage_params, moe, compute_tflops):
+    """Bytes per optimizer step for the placement model, from the model and the batch;
+    the expert all-to-all as ``moe``'s dispatcher sends it (seekspeed.moe: every-copy
+    sends each of a token's k copies, deduplicated one row to each rank holding one of
+    its experts, with its routing slots; FP8 rows on the forward dispatch)."""
     bf16 = ds.get("bf16", {}).get("enabled", False)
     from ds_ext.precision import fp32_grad_accumulation
     fp32_grads = fp32_grad_accumulation(ds)
     act = 2 if bf16 else 4
     tokens = layout.micro_batch * layout.seq_len
-    expert = 0.0
+    expert, ep = 0.0, moe.expert_parallel_size
     if ep > 1 and model_config.num_moe_layers():
         moe_per_stage = model_config.num_moe_layers() / layout.pipe_stages
-        expert = (tokens * layout.grad_accum * model_config.hidden_size * model_config.num_experts_per_tok * act
-                  * moe_per_stage)
+        k, experts = model_config.num_experts_per_tok, model_config.n_routed_experts
+        row = model_config.hidden_size * act
+        from ds_ext.comm.fp8 import row_bytes as fp8_row_bytes
+        sent = fp8_row_bytes(model_config.hidden_size) if moe.dispatch_dtype == "fp8" else row
+        if moe.dispatcher == "every-copy":
+            rows = k
+        else:
+            from ds_ext.comm.alltoall import slot_bytes
+            from ds_ext.planner.collectives import routing
+            # the placement is not chosen yet, so no node limit: free routing over the group
+            rows = routing(nodes=1, per_node=ep, num_experts=experts, top_k=k).ranks_per_token
+            sent += min(k, experts // ep) * slot_bytes(experts)
+        # StepTraffic counts four passes (dispatch and combine, forward and backward) of
+        # expert_bytes; only the forward dispatch carries the sent rows
+        expert = tokens * layout.grad_accum * moe_per_stage * rows * (sent + 3 * row) / 4
     # forward + backward of one micro-batch on one stage: 6 FLOPs per parameter and token
     compute = 6 * stage_params * tokens / (compute_tflops * 1e12)
     return StepTraffic(gradient_bytes=stage_params * (4 if fp32_grads else 2),
@@ -138,7 +154,7 @@ class TopologyPlan:
     source: str
 
 
-def plan(section, *, layout, model_config, ds, stage_params, ep, log):
+def plan(section, *, layout, model_config, ds, stage_params, moe, log):
     """Choose the placement; collective when the bandwidth is probed."""
     matrix = bandwidth_matrix(section, world_size=layout.world_size, log=log)
     groups = matrix.affinity_groups()
@@ -149,9 +165,9 @@ def plan(section, *, layout, model_config, ds, stage_params, ep, log):
     intra, inter = matrix.link_classes(groups)
     intra = intra if intra != float("inf") else section.intra_node_gbps
     inter = inter if inter != float("inf") else section.inter_node_gbps
-    traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, ep=ep,
+    traffic = estimate_traffic(model_config=model_config, layout=layout, ds=ds, stage_params=stage_params, moe=moe,
                                compute_tflops=section.compute_tflops)
-    kwargs = {"pp": layout.pipe_stages, "dp": layout.data_parallel, "ep": ep, "traffic": traffic,
+    kwargs = {"pp": layout.pipe_stages, "dp": layout.data_parallel, "ep": moe.expert_parallel_size, "traffic": traffic,
               "node_of": node_of, "intra_gbps": intra, "inter_gbps": inter}
     if section.placement == "auto":
         best, predictions = choose(moe=model_config.num_moe_layers() > 0, **kwargs)
