@@ -1,7 +1,8 @@
 """The simulated cluster: 2 network-namespace nodes x 2 ranks joined by tc-shaped
 links run launch/train.py through one DeepSpeed launcher per node; everything is
-torn down after success and after failure. Needs root and ip netns (skipped with the
-reason where the sandbox forbids them; CI here permits them). About 60 s."""
+torn down after success and after failure; expert parallelism across nodes with the
+dispatch forwarded inside them, bitwise as on one node. Needs root and ip netns (skipped
+with the reason where the sandbox forbids them; CI here permits them). About 2 minutes."""
 
 import json
 import os
@@ -71,3 +72,37 @@ def test_failure_tears_everything_down(tmp_path):
     assert proc.returncode != 0
     assert "does not exist" in proc.stdout
     assert _namespaces() == before
+
+
+def test_expert_parallelism_across_nodes_forwards_and_trains_as_on_one_node(tmp_path):
+    """ds_configs/tiny_moe_cpu.json on one pipeline stage with expert parallelism 4, on 2
+    simulated nodes x 2 ranks: the expert-parallel group spans both nodes with 2 ranks on
+    each, so the deduplicated dispatcher crosses to each node once and forwards inside it
+    (its start-up line says so). With top-2 routing a token's sum associates alike however
+    it travels (recipes/layers/dispatch.py), so every step's loss equals, bitwise, the same
+    config's on one node (4 forked ranks, where a token goes straight to each rank)."""
+    from tests.distributed import run_ranks
+    from tests.training import trainer_rank, write_config
+
+    def one_stage_ep4(cfg):
+        cfg["pipeline"]["stages"] = 1
+        cfg["seekspeed"]["moe"]["expert_parallel_size"] = 4
+    cfg = write_config(tmp_path, "tiny_moe_cpu.json", one_stage_ep4)
+    steps = ["--steps", "3"]
+    local = run_ranks(trainer_rank, world_size=4, init_dist=False, timeout=300,
+                      args=(["--deepspeed", cfg, *steps, "--checkpoint-dir", str(tmp_path / "local"), "--summary-json",
+                             str(tmp_path / "local.json")],))
+    assert local[0][0] == 0, local[0][1][-2000:] + local[0][2][-2000:]
+    assert "forwarded inside the node" not in local[0][1]
+    before = _namespaces()
+    proc = _sim(["--nodes", "2", "--ranks-per-node", "2", "--rate", "1gbit", "--master-port", "29635", "--tail", "400",
+                 "--", "launch/train.py", "--deepspeed", cfg, *steps, "--checkpoint-dir", str(tmp_path / "sim"),
+                 "--summary-json", str(tmp_path / "sim.json")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "moe dispatch: deduplicated, forwarded inside the node (an expert-parallel group on 2 nodes x 2 ranks" \
+        in proc.stdout
+    forwarded = json.loads((tmp_path / "sim.json").read_text())["losses"]
+    direct = json.loads((tmp_path / "local.json").read_text())["losses"]
+    assert len(forwarded) == 3 and forwarded == direct
+    prefix = proc.stdout.split("namespaces ", 1)[1].split("-*", 1)[0]
+    assert prefix not in _namespaces() and prefix not in before          # torn down
