@@ -67,13 +67,16 @@ def _run(layer, x, grad):
 
 
 class _Labels:
-    """ds_ext.comm.alltoall's recorder: the labels of the exchanges issued."""
+    """ds_ext.comm.alltoall's recorder: the labels of the exchanges issued, and the bytes
+    a row of each takes on the wire."""
 
     def __init__(self):
-        self.seen = set()
+        self.seen, self.row_bytes = set(), {}
 
     def record(self, name, kwargs, start, end):
         self.seen.add(kwargs["what"])
+        if "row_bytes" in kwargs:
+            self.row_bytes[kwargs["what"]] = kwargs["row_bytes"]
 
 
 def _groups(ep):
@@ -110,6 +113,7 @@ def _compare(routing, ep, dtype, payload=None):
         with alltoall.recording(lanes):
             out["forwarded"] = _run(layer, x, grad)
         out["forwarded_exchanges"] = sorted(lanes.seen)
+        out["forwarded_row_bytes"] = lanes.row_bytes
     # sum_i w_i |y_i| per token (the weights are positive): the every-copy layer with its
     # experts' outputs taken absolute
     layer = _layer(routing, dispatcher="every-copy", ep=ep, ep_rank=ep_rank, group=group, dtype=dtype)
@@ -161,6 +165,14 @@ def test_dispatchers_bitwise_equal_where_the_sums_associate_alike(results, key):
             # both hops ran, forward and backward
             assert {"F dispatch", "F dispatch in-node", "B combine in-node", "B combine"} <= \
                 set(res[key]["forwarded_exchanges"]), res[key]["forwarded_exchanges"]
+            # a row on each hop: its payload, 2 routing slots (top-2), inside the node also its
+            # origin; FP8 rows go on inside the node as they crossed (not decoded)
+            from ds_ext.comm import fp8
+            from ds_ext.comm.alltoall import ORIGIN_BYTES, slot_bytes
+            payload = fp8.row_bytes(HIDDEN) if key.endswith("fp8") else HIDDEN * (2 if "bf16" in key else 4)
+            routing = 2 * slot_bytes(TOP2["n_routed_experts"])
+            assert res[key]["forwarded_row_bytes"]["F dispatch"] == payload + routing
+            assert res[key]["forwarded_row_bytes"]["F dispatch in-node"] == payload + routing + ORIGIN_BYTES
 
 
 @pytest.mark.multirank

@@ -19,7 +19,8 @@ nodes, so autograd visits the same nodes in the same order on every expert-paral
 degree (gradients that several branches add up are added in the same order).
 
 With a ``codec`` (ds_ext.comm.fp8.Fp8Rows) the forward exchange sends ``codec.encode``'s
-bytes and ``arrive`` returns them decoded; the backward sends the gradient as it is (the
+bytes and ``arrive`` returns them as ``codec.unpack`` writes them (decoded, or kept as
+bytes by a forwarder that sends them on); the backward sends the gradient as it is (the
 encoding is an identity for the gradient, as in FP8 training). With ``group`` None the
 rows still go through the codec, so every expert-parallel degree computes on the same
 values.
@@ -31,8 +32,9 @@ then return a tuple; the gradients of the floating extras travel back with the m
 tensor's, packed the same way (integer extras have none).
 
 While ``recording(timeline)`` is active every all-to-all is recorded twice: as
-``AllToAll`` from issue to the end of its wait (in flight) and as ``WaitAllToAll`` for
-the time the computing thread was blocked on it (exposed).
+``AllToAll`` from issue to the end of its wait (in flight; with the bytes one row takes
+on the wire) and as ``WaitAllToAll`` for the time the computing thread was blocked on it
+(exposed).
 """
 
 import contextlib
@@ -80,11 +82,14 @@ class Exchange:
     ``outs``: every tensor it carries; when it moved packed bytes (a codec, or extra
     tensors), ``wait`` unpacks them into ``outs`` (the first through the codec)."""
 
-    __slots__ = ("outs", "work", "source", "label", "issued", "raw", "parts")
+    __slots__ = ("outs", "work", "source", "label", "issued", "raw", "parts", "row_bytes")
 
-    def __init__(self, outs, work, source, label, *, raw=None, parts=None):
+    def __init__(self, outs, work, source, label, *, raw=None, parts=None, row_bytes=None):
         self.outs, self.work, self.source, self.label = outs, work, source, label
         self.raw, self.parts = raw, parts
+        # what one row weighs on the wire (recorded with the exchange)
+        self.row_bytes = row_bytes if row_bytes is not None else (
+            math.prod(source.shape[1:]) * source.element_size() if source is not None else 0)
         self.issued = time.perf_counter()
 
     @property
@@ -98,12 +103,12 @@ class Exchange:
             end = time.perf_counter()
             self.work = self.source = None
             if _timeline is not None:
-                _timeline.record("AllToAll", {"what": self.label}, self.issued, end)
+                _timeline.record("AllToAll", {"what": self.label, "row_bytes": self.row_bytes}, self.issued, end)
                 _timeline.record("WaitAllToAll", {"what": self.label}, start, end)
         if self.raw is not None:
             for out, (begin, end, codec) in zip(self.outs, self.parts):
                 if codec is not None:
-                    out.copy_(codec.decode(self.raw[:, begin:end]))
+                    codec.unpack(self.raw[:, begin:end], out)
                 else:
                     _as_bytes(out).copy_(self.raw[:, begin:end])
             self.raw = None
@@ -133,7 +138,7 @@ def start(tensor, *, out_splits, in_splits, group, label, codec=None, extra=()):
         outs = [t.new_empty((rows, ) + tuple(t.shape[1:])) for t in tensors]
         raw = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         exchange = start(raw, out_splits=out_splits, in_splits=in_splits, group=group, label=label)
-        return Exchange(outs, exchange.work, exchange.source, label, raw=exchange.out, parts=parts)
+        return Exchange(outs, exchange.work, exchange.source, label, raw=exchange.out, parts=parts, row_bytes=end)
     if group is None:
         return Exchange([tensor], None, None, label)
     from deepspeed import comm as dist

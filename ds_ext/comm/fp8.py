@@ -81,13 +81,20 @@ def error_bound(x, *, dtype=torch.float32):
 
 class Fp8Rows:
     """The codec ds_ext.comm.alltoall takes: rows sent as ``encode``, received as
-    ``decode`` in the rows' own dtype."""
+    ``decode`` in the rows' own dtype. ``keep`` (a forwarder's first hop): the received
+    bytes are kept as they came (``kept``) instead of decoded, to be sent on as they are;
+    ``raw``: the bytes to send (a forwarder's second hop: rows encoded at their source),
+    whatever the rows handed to ``encode`` hold."""
 
-    def __init__(self, dtype):
-        self.dtype = dtype
+    def __init__(self, dtype, *, keep=False, raw=None):
+        self.dtype, self.keep, self.raw, self.kept = dtype, keep, raw, None
 
     def encode(self, x):
-        return encode(x)
+        return encode(x) if self.raw is None else self.raw
 
-    def decode(self, raw):
-        return decode(raw, dtype=self.dtype)
+    def unpack(self, raw, out):
+        """The received bytes ``raw`` into ``out`` (decoded), or kept."""
+        if self.keep:
+            self.kept = raw
+        else:
+            out.copy_(decode(raw, dtype=self.dtype))

@@ -257,8 +257,8 @@ def moe_dispatch(*, tokens, token_bytes, nodes, per_node, fabric, num_experts, t
     RDMA bytes per rank (a token counted once per node it goes to, the sender's own
     included: its test_internode.py's ``num_rdma_token_sent``; divide by seconds for
     the bandwidth its README tables quote). ``forward_bytes``: a token's bytes on the
-    copy inside the node when they differ from the ones across (seekspeed's FP8 dispatch
-    forwards the decoded rows)."""
+    copy inside the node when they differ from the ones across (seekspeed's forwarder
+    adds the row's origin)."""
     n, node_bw = _layout(nodes, per_node, fabric, groups_per_node)
     r = routing(nodes=nodes, per_node=per_node, num_experts=num_experts, top_k=top_k, top_groups=top_groups)
     if forwarding and nodes > 1:

@@ -71,8 +71,8 @@ def expert_all_to_all(m, hw, placement):
     rank holding one of its experts, or, where the group spans nodes of several ranks,
     once to each node and forwarded inside it, each row with its routing slots beside
     it, group-limited routing bounding the nodes (``group_limit``). The FP8
-    payload shrinks the rows across nodes (forwarded inside the node decoded); the
-    combine is in the activation dtype."""
+    payload shrinks the dispatched rows, across nodes and forwarded inside them alike
+    (decoded where the experts run); the combine is in the activation dtype."""
     ep, mc, moe = m.ep, m.mc, m.section.moe
     if not (ep > 1 and mc.num_moe_layers()):
         return ExpertAllToAll(bandwidth=hw.fabric().nvlink(a2a=True))
@@ -101,7 +101,8 @@ def expert_all_to_all(m, hw, placement):
     experts, slot = mc.n_routed_experts, slot_bytes(mc.n_routed_experts)
     rank_slots = min(k, experts // ep) * slot
     node_slots = min(k, experts // node_count) * slot if forwarding else rank_slots
-    cost, _ = moe_dispatch(token_bytes=sent_row + node_slots, forward_bytes=row + rank_slots + ORIGIN_BYTES, **kw)
+    cost, _ = moe_dispatch(token_bytes=sent_row + node_slots, forward_bytes=sent_row + rank_slots + ORIGIN_BYTES,
+                           **kw)
     combine, _ = moe_dispatch(token_bytes=row, **kw)
     layer_bytes = (cost.inter_bytes + cost.intra_bytes + combine.inter_bytes + combine.intra_bytes) / (node_count
                                                                                                        * per_node)

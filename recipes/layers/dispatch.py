@@ -35,7 +35,7 @@ layer (test_expert_parallel.py) holds for deduplicated where the two association
 
 Payload (``Dispatch.payload``): the activation dtype, or "fp8": the dispatched rows as
 e4m3 with an fp32 scale per 128 channels (ds_ext/comm/fp8.py, its error bound there),
-decoded on arrival; the routing, the combine and the backward stay in their own dtypes,
+decoded where the experts run (a forwarder sends the bytes on as they came); the routing, the combine and the backward stay in their own dtypes,
 as DeepSeek-V3 does.
 
 Both keep the asynchronous structure ds_ext.comm.alltoall gives, three exchanges a hop
@@ -150,9 +150,10 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
     """One hop to the ranks holding the experts, or with ``hops`` (NodeHops: the group
     spans nodes of several ranks) two: each token once to every node holding one of its
     experts (to the rank with the sender's local index there, over the rail group),
-    forwarded inside the node to the ranks holding them; the FP8 payload applies to the
-    hop across nodes (decoded at the forwarder, which sends the decoded rows on inside
-    the node, so the experts see the same values either way)."""
+    forwarded inside the node to the ranks holding them. The FP8 payload is encoded
+    once, at the source: a forwarder keeps the bytes it receives and sends them on as
+    they came, and the rank running the experts decodes them (DeepEP's scheme), so the
+    experts see the same values either way."""
     top_k, id_dtype = indices.shape[1], expert_id_dtype(num_local * ep_size)
     final = functools.partial(_at_experts, experts=experts, num_local=num_local, ep_size=ep_size)
     rank = indices // num_local
@@ -160,8 +161,10 @@ def _deduplicated(flat, weights, indices, *, experts, shared, num_local, ep_size
         return _send_once(flat, weights, indices, rank, members=ep_size, slots=min(top_k, num_local),
                           id_dtype=id_dtype, group=group, codec=codec, inner=final, label="dispatch", shared=shared)
     node = torch.tensor(hops.node_of, device=rank.device)[rank]
+    if codec is not None:
+        codec = fp8.Fp8Rows(flat.dtype, keep=True)
     forward = functools.partial(_forwarder, hops=hops, num_local=num_local, top_k=top_k, id_dtype=id_dtype,
-                                final=final)
+                                final=final, codec=codec)
     return _send_once(flat, weights, indices, node, members=hops.nodes, slots=min(top_k, num_local * hops.per_node),
                       id_dtype=id_dtype, group=hops.rail, codec=codec, inner=forward, label="dispatch", shared=shared)
 
@@ -211,7 +214,7 @@ def make_node_hops(group_ranks, node_of, *, new_group):
 
 
 def _send_once(x, weight, expert, member, *, members, slots, id_dtype, group, codec, inner, label, shared=None,
-               origin=None):
+               origin=None, encoded=None):
     """One hop. Row n of ``x`` [N, H] has copies ``expert`` [N, s] (global indices; -1:
     none) with routing ``weight`` [N, s] (differentiable) going to group members
     ``member`` [N, s] (``members`` where there is no copy); it is sent once to each
@@ -221,8 +224,10 @@ def _send_once(x, weight, expert, member, *, members, slots, id_dtype, group, co
     member, ``inner(rows, weights, experts, source, order)`` ([R, H]; [R, slots] twice;
     [R] twice: the origin that came with the rows, else the member each came from and
     its place in arrival order) returns one output row per received row, which comes
-    back. Returns (per row of ``x`` the sum of what came back for it, in member order;
-    ``shared()``'s output, computed while the dispatch is in flight, or None)."""
+    back. ``encoded``: ``x``'s rows as ``codec`` encoded them at their source (a
+    forwarder's), sent as they are. Returns (per row of ``x`` the sum of what came back
+    for it, in member order; ``shared()``'s output, computed while the dispatch is in
+    flight, or None)."""
     n, device = x.shape[0], x.device
     goes = torch.zeros(n, members + 1, dtype=torch.bool, device=device).scatter_(1, member, True)
     goes = goes[:, :members].t()                                         # [members, N]
@@ -240,6 +245,8 @@ def _send_once(x, weight, expert, member, *, members, slots, id_dtype, group, co
         kept = expert >= 0
         sent_row, slot, weight, expert = sent_row[kept], slot[kept], weight[kept], expert[kept]
     sent = x.index_select(0, row_src)
+    if encoded is not None:
+        codec = fp8.Fp8Rows(x.dtype, raw=encoded.index_select(0, row_src))
     routing_weight = weight.new_zeros(len(row_src), slots).index_put((sent_row, slot), weight)
     routing_expert = torch.full((len(row_src), slots), -1, dtype=id_dtype, device=device)
     routing_expert[sent_row, slot] = expert.to(id_dtype)
@@ -282,11 +289,13 @@ def _at_experts(rows, weight, expert, source, order, *, experts, num_local, ep_s
     return torch.zeros_like(rows).index_add(0, row, weighted)
 
 
-def _forwarder(rows, weight, expert, node_from, order, *, hops, num_local, top_k, id_dtype, final):
+def _forwarder(rows, weight, expert, node_from, order, *, hops, num_local, top_k, id_dtype, final, codec):
     """A node's receiving rank for tokens from other nodes (the rank with the sender's
     local index): it sends each row once to every rank of the node holding one of its
     copies' experts, with the row's origin (the source rank, the row's place here: in
-    the source's token order), and sums what comes back per row (in local-rank order)."""
+    the source's token order), and sums what comes back per row (in local-rank order).
+    With a keeping ``codec`` (FP8) ``rows`` were never decoded here: the bytes the codec
+    kept go on, and ``rows`` only carries their gradients."""
     expert = expert.long()
     local_of = torch.tensor(hops.local_of + (hops.per_node, ), device=rows.device)
     local = local_of[torch.where(expert >= 0, expert // num_local, len(hops.local_of))]
@@ -295,7 +304,7 @@ def _forwarder(rows, weight, expert, node_from, order, *, hops, num_local, top_k
     origin = torch.stack([source, order], dim=1).to(torch.int32)
     out, _ = _send_once(rows, weight, expert, local, members=hops.per_node, slots=min(top_k, num_local),
                         id_dtype=id_dtype, group=hops.node, codec=None, inner=final, label="dispatch in-node",
-                        origin=origin)
+                        origin=origin, encoded=None if codec is None else codec.kept)
     return out
 
 
