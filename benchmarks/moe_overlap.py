@@ -16,7 +16,8 @@ step, the ranks' mean all-to-all figures):
   step (in flight);
 - a2a_exposed_ms: the time the computing thread was blocked waiting for them;
 - fb_a2a_exposed_ms: the same, inside F&B chunks only. The goal counts these:
-  hidden = 1 - fb_exposed(layer) / fb_exposed(none).
+  hidden = 1 - fb_exposed(layer) / fb_exposed(none); fb_exposed_by_what_ms splits them
+  by exchange (the counts, the dispatch, the combine; F forward, B backward).
 
 ``--moe sleep`` replaces the compute of the routed experts and of every SwiGLU MLP (the
 shared experts and the first, dense layer's MLP) with sleeps of a set cost (--sleep-ms
@@ -124,7 +125,8 @@ def _ranks(args):
         while True:
             yield rows[:, :-1], rows[:, 1:]
 
-    per = {key: {"step": [], "issued": [], "exposed": [], "fb_exposed": [], "fb_issued": []} for key in engines}
+    per = {key: {"step": [], "issued": [], "exposed": [], "fb_exposed": [], "fb_issued": [], "fb_by_what": []}
+           for key in engines}
     for i in range(args.warmup + args.steps):
         for key, engine in engines.items():
             engine.timeline = InstructionTimeline()
@@ -149,10 +151,13 @@ def _ranks(args):
             d["exposed"].append(total("WaitAllToAll"))
             d["fb_issued"].append(total("AllToAll", inside=True))
             d["fb_exposed"].append(total("WaitAllToAll", inside=True))
+            d["fb_by_what"].append(_waited_by_what(events, fb))
     mine = torch.tensor([[statistics.median(per[k][f]) for f in ("step", "issued", "exposed", "fb_issued", "fb_exposed")]
                          for k in engines], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
+    by_what = [None] * dist.get_world_size()
+    dist.all_gather_object(by_what, [_median_by_what(per[k]["fb_by_what"]) for k in engines])
     if dist.get_rank() == 0:
         stack = torch.stack(everyone)          # [rank, engine, field]
         out = []
@@ -163,12 +168,28 @@ def _ranks(args):
                         "a2a_exposed_ms": float(stack[:, j, 2].mean()) * 1e3,
                         "fb_a2a_issued_ms": float(stack[:, j, 3].mean()) * 1e3,
                         "fb_a2a_exposed_ms": float(stack[:, j, 4].mean()) * 1e3,
+                        "fb_exposed_by_what_ms": {w: statistics.mean(r[j].get(w, 0.0) for r in by_what) * 1e3
+                                                  for w in sorted({w for r in by_what for w in r[j]})},
                         "per_rank_step_ms": [float(v) * 1e3 for v in stack[:, j, 0]]})
         with open(args.rows_json, "w") as f:
             json.dump(out, f)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _waited_by_what(events, fb):
+    """Seconds the computing thread waited for all-to-alls inside F&B chunks, by exchange
+    (the label: "F counts", "F dispatch", "B combine", ...)."""
+    out = {}
+    for name, kwargs, start, end in events:
+        if name == "WaitAllToAll" and any(fs <= start and end <= fe for fs, fe in fb):
+            out[kwargs["what"]] = out.get(kwargs["what"], 0.0) + end - start
+    return out
+
+
+def _median_by_what(steps):
+    return {w: statistics.median(step.get(w, 0.0) for step in steps) for w in {w for step in steps for w in step}}
 
 
 def _write_trace(directory, key, events, *, origin):
@@ -264,6 +285,11 @@ def main():
         print(f"{r['dispatcher']:<13} {r['schedule']:<14} {r['overlap']:<7} {r['step_ms']:8.0f} "
               f"{r['speedup_vs_1f1b']:7.2f}x {vs_every} "
               f"{r['a2a_issued_ms']:13.0f} {r['a2a_exposed_ms']:10.0f} {r['fb_a2a_exposed_ms']:10.0f} {hidden:>13}")
+    print("\nwaited for inside F&B chunks, by exchange (ms, mean over ranks of the per-step median):")
+    for r in rows:
+        if r["fb_exposed_by_what_ms"]:
+            print(f"  {r['dispatcher']:<13} {r['schedule']:<14} {r['overlap']:<6} "
+                  + ", ".join(f"{w} {v:.0f}" for w, v in r["fb_exposed_by_what_ms"].items()))
     experts, experts_ratios = [], {}
     if args.experts_shapes:
         from benchmarks.grouped_experts import experts_rows, ratios
