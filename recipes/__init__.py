@@ -15,6 +15,7 @@ from ds_ext.errors import ConfigError
 RECIPES = {
     "deepseek_v3": "recipes.deepseek_v3",
     "deepseek_v32": "recipes.deepseek_v32",
+    "deepseek_v4": "recipes.deepseek_v4",
 }
 
 

@@ -17,11 +17,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_ext.errors import ConfigError
-from recipes.layers import checks, costs, dsa, moe, pipe
+from recipes.layers import checks, costs, moe, pipe
 from recipes.layers.dispatch import DEFAULT_DISPATCH
-from recipes.layers.dsa import DSA_STAGES, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe, freeze_for_warmup
+from recipes.layers.dsa import (INDEXER_LOSS, DSADecoder, DSADecoderLayerPipe, DSAMTPLayerPipe,
+                                DsaSection, check_dsa, freeze_for_warmup, train_options)
 from recipes.layers.pipe import CausalLMLoss, decoder_stack_specs
-from recipes.spec import PlannerCosts, RecipeSpec, StepFigures, StepHook, TransformersAdapter
+from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 
 
 @dataclass(kw_only=True)
@@ -123,19 +124,11 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return SPEC.make_config(preset, overrides, where=where)
 
 
-def _check_dsa(dsa_stage, indexer_kl_weight):
-    if dsa_stage not in DSA_STAGES:
-        raise ConfigError(f"DSA stage {dsa_stage!r} is unknown: use one of {list(DSA_STAGES)}")
-    if indexer_kl_weight < 0 or (dsa_stage == "warmup" and indexer_kl_weight <= 0):
-        raise ConfigError(f"the indexer KL weight must be >= 0 (> 0 for the warm-up, which trains the indexer only "
-                          f"from it), got {indexer_kl_weight}")
-
-
 def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, dsa_stage="sparse",
                 indexer_kl_weight=1.0, moe_dispatch=DEFAULT_DISPATCH):
     """The model as DeepSpeed layer specs: embedding, DSA decoder layers, [MTP], final
     norm, head (recipes.layers.pipe.decoder_stack_specs with the DSA layer classes)."""
-    _check_dsa(dsa_stage, indexer_kl_weight)
+    check_dsa(dsa_stage, indexer_kl_weight)
     return decoder_stack_specs(config, seed=seed, decoder=DSADecoderLayerPipe, mtp_layer=DSAMTPLayerPipe,
                                ep_size=ep_size, ep_rank=ep_rank, document_token=document_token, dsa_stage=dsa_stage,
                                indexer_kl_weight=indexer_kl_weight, moe_dispatch=moe_dispatch)
@@ -165,53 +158,6 @@ def build_pipeline(config, *, dsa_stage="sparse", indexer_kl_weight=1.0, **kwarg
 
 def loss_fn(config, *, mtp_loss_weight):
     return CausalLMLoss(mtp_loss_weight, mtp=config.num_mtp_layers > 0)
-
-
-@dataclass(kw_only=True)
-class DsaSection:
-    """``seekspeed.dsa``: DeepSeek Sparse Attention training, as the DeepSeek-V3.2
-    report trains it. Unset fields take the recipe's defaults."""
-    # "warmup": dense attention, only the indexer learns (KL to the main attention over all keys);
-    # "sparse": attention over the indexer's top-k keys, the indexer learns from the KL over them
-    stage: str | None = None
-    # weight of the indexer's KL loss (it trains only the indexer: its input is detached)
-    indexer_loss_weight: float | None = None
-
-    def check(self, where):
-        if self.stage is not None and self.stage not in DSA_STAGES:
-            raise ConfigError(f"{where}.stage {self.stage!r} is not one of {list(DSA_STAGES)}")
-        if self.indexer_loss_weight is not None and not self.indexer_loss_weight > 0:
-            raise ConfigError(f"{where}.indexer_loss_weight must be > 0 (the indexer learns only from it), got "
-                              f"{self.indexer_loss_weight}")
-
-    def is_set(self):
-        return self.stage is not None or self.indexer_loss_weight is not None
-
-
-def train_options(section):
-    """seekspeed.dsa: the stage ("sparse" unless set) and the indexer's KL weight (1.0)."""
-    dsa_section = section.recipe_section("dsa", DsaSection)
-    stage = dsa_section.stage or "sparse"
-    if stage == "warmup" and section.moe.bias_update_speed > 0:
-        raise ConfigError(f"seekspeed.dsa.stage 'warmup' trains only the indexers, and seekspeed.moe.bias_update_speed "
-                          f"{section.moe.bias_update_speed} would still move the frozen routers' biases: set it to 0 "
-                          f"for the warm-up")
-    weight = dsa_section.indexer_loss_weight
-    return {"dsa_stage": stage, "indexer_kl_weight": 1.0 if weight is None else weight}
-
-
-def _indexer_setup(engine, *, section, grad_accum):
-    dsa.configure_indexer(engine.module, grad_scale=1.0 / grad_accum)
-
-
-def _indexer_after_step(engine, *, section):
-    value = dsa.take_indexer_loss(engine.module)
-    return StepFigures(losses={} if value is None else {"indexer": value})
-
-
-# the lightning indexer's KL loss, computed inside the layers and reported as loss_indexer
-INDEXER_LOSS = StepHook(name="indexer loss", setup=_indexer_setup, after_step=_indexer_after_step,
-                        losses=("indexer",))
 
 
 def config_from_hf(fields):

@@ -38,11 +38,15 @@ recorded once per micro-batch for ``take_indexer_loss``.
 ``DSADecoder`` generates with MLA's latent KV cache plus each layer's indexer keys.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.errors import ConfigError
 from ds_ext.pipe.zero_bubble import Linear
+from recipes.step import StepFigures, StepHook
 
 from . import rope
 from .latent_kv import LatentKVCache, MLADecoder, absorbed_attention
@@ -175,7 +179,45 @@ def indexer_kl(target, index_scores, attended):
     return _IndexerKL.apply(index_scores, target, attended)
 
 
-class DSAttention(MLAttention):
+class IndexerLoss:
+    """The state of an attention whose lightning indexer learns from L_I: the stage,
+    L_I's weight and gradient scale, and L_I as recorded once per micro-batch (also
+    under activation checkpointing, whose recomputation records what the first pass,
+    without a graph, could not). Mixed into DeepSeek-V3.2's DSAttention and V4's
+    hybrid attention (its CSA layers: ``has_indexer``)."""
+
+    has_indexer = True
+
+    def init_indexer_loss(self):
+        self.stage = "sparse"
+        self.kl_weight = 0.0
+        self.aux_grad_scale = 1.0       # the engine's loss scaling of one micro-batch (1 / accumulation)
+        self.kl_sum, self.kl_count = 0.0, 0
+        self._unrecorded = 0            # forwards without a graph whose recomputation records L_I
+
+    def indexer_learns(self):
+        return self.has_indexer and self.training and self.kl_weight > 0 and torch.is_grad_enabled()
+
+    def note_forward(self, learns):
+        """Call once per forward, before L_I: counts a graph-less training forward whose
+        recomputation will record L_I."""
+        if self.has_indexer and self.training and self.kl_weight > 0 and not learns and not _in_backward():
+            self._unrecorded += 1       # e.g. reentrant checkpointing's first pass: recorded when recomputed
+
+    def record(self, loss):
+        """Record L_I of this forward once (not again when a checkpoint recomputes it)."""
+        if not _in_backward():
+            self._record(loss)
+        elif self._unrecorded:
+            self._unrecorded -= 1
+            self._record(loss)
+
+    def _record(self, loss):
+        self.kl_sum = self.kl_sum + loss.detach()
+        self.kl_count += 1
+
+
+class DSAttention(IndexerLoss, MLAttention):
     """MLA with the lightning indexer (``indexer``). ``forward`` returns (output,
     L_I or None): L_I when the indexer learns (training, grad on, kl_weight > 0)."""
 
@@ -185,14 +227,7 @@ class DSAttention(MLAttention):
             raise ValueError("DeepSeek Sparse Attention reads the query latent: set q_lora_rank")
         self.indexer = LightningIndexer(config)
         self.index_topk = config.index_topk
-        self.stage = "sparse"
-        self.kl_weight = 0.0
-        self.aux_grad_scale = 1.0       # the engine's loss scaling of one micro-batch (1 / accumulation)
-        self.kl_sum, self.kl_count = 0.0, 0
-        self._unrecorded = 0            # forwards without a graph whose recomputation records L_I
-
-    def indexer_learns(self):
-        return self.training and self.kl_weight > 0 and torch.is_grad_enabled()
+        self.init_indexer_loss()
 
     def forward(self, x, mask=None):
         """``mask`` (bool [B, 1, S, S], True where a query may attend a key) replaces the
@@ -200,8 +235,7 @@ class DSAttention(MLAttention):
         seq = x.shape[1]
         q, k, v, q_resid = self.project(x)
         learns = self.indexer_learns()
-        if self.training and self.kl_weight > 0 and not learns and not _in_backward():
-            self._unrecorded += 1       # e.g. reentrant checkpointing's first pass: recorded when recomputed
+        self.note_forward(learns)
         sparse = self.stage == "sparse" and seq > self.index_topk
         allowed = mask
         if allowed is None and (sparse or learns):
@@ -222,16 +256,8 @@ class DSAttention(MLAttention):
         if learns:
             target = attention_target(q.detach(), k.detach(), attended, self.scaling)
             loss = self.kl_weight * indexer_kl(target, index_scores, attended[:, 0])
-            if not _in_backward():
-                self._record(loss)
-            elif self._unrecorded:
-                self._unrecorded -= 1
-                self._record(loss)
+            self.record(loss)
         return self.output(out), loss
-
-    def _record(self, loss):
-        self.kl_sum = self.kl_sum + loss.detach()
-        self.kl_count += 1
 
 
 class _WarmupLink(torch.autograd.Function):
@@ -292,8 +318,10 @@ class DSAMTPLayerPipe(_DSABlock, MTPLayerPipe):
 # ---- training controls --------------------------------------------------------------
 
 def attentions(module):
-    """(name, DSAttention) of ``module``, in a fixed order (the same on every rank of a stage)."""
-    return [(n, m) for n, m in sorted(module.named_modules(), key=lambda kv: kv[0]) if isinstance(m, DSAttention)]
+    """(name, attention) of ``module``'s attentions with a learning indexer
+    (IndexerLoss), in a fixed order (the same on every rank of a stage)."""
+    return [(n, m) for n, m in sorted(module.named_modules(), key=lambda kv: kv[0])
+            if isinstance(m, IndexerLoss) and m.has_indexer]
 
 
 def configure_indexer(module, *, weight=None, grad_scale=None, stage=None):
@@ -339,6 +367,64 @@ def take_indexer_loss(module):
             seen = True
         attn.kl_sum, attn.kl_count, attn._unrecorded = 0.0, 0, 0
     return total if seen else None
+
+
+# ---- the recipes' config section and step hook ----------------------------------------
+
+@dataclass(kw_only=True)
+class DsaSection:
+    """``seekspeed.dsa``: training a lightning indexer (DeepSeek-V3.2's sparse attention,
+    DeepSeek-V4's CSA), as the DeepSeek-V3.2 report trains it. Unset fields take the
+    recipe's defaults."""
+    # "warmup": dense attention, only the indexer learns (KL to the main attention over all keys);
+    # "sparse": attention over the indexer's top-k keys, the indexer learns from the KL over them
+    stage: str | None = None
+    # weight of the indexer's KL loss (it trains only the indexer: its input is detached)
+    indexer_loss_weight: float | None = None
+
+    def check(self, where):
+        if self.stage is not None and self.stage not in DSA_STAGES:
+            raise ConfigError(f"{where}.stage {self.stage!r} is not one of {list(DSA_STAGES)}")
+        if self.indexer_loss_weight is not None and not self.indexer_loss_weight > 0:
+            raise ConfigError(f"{where}.indexer_loss_weight must be > 0 (the indexer learns only from it), got "
+                              f"{self.indexer_loss_weight}")
+
+    def is_set(self):
+        return self.stage is not None or self.indexer_loss_weight is not None
+
+
+def check_dsa(dsa_stage, indexer_kl_weight):
+    if dsa_stage not in DSA_STAGES:
+        raise ConfigError(f"DSA stage {dsa_stage!r} is unknown: use one of {list(DSA_STAGES)}")
+    if indexer_kl_weight < 0 or (dsa_stage == "warmup" and indexer_kl_weight <= 0):
+        raise ConfigError(f"the indexer KL weight must be >= 0 (> 0 for the warm-up, which trains the indexer only "
+                          f"from it), got {indexer_kl_weight}")
+
+
+def train_options(section):
+    """seekspeed.dsa: the stage ("sparse" unless set) and the indexer's KL weight (1.0)."""
+    dsa_section = section.recipe_section("dsa", DsaSection)
+    stage = dsa_section.stage or "sparse"
+    if stage == "warmup" and section.moe.bias_update_speed > 0:
+        raise ConfigError(f"seekspeed.dsa.stage 'warmup' trains only the indexers, and seekspeed.moe.bias_update_speed "
+                          f"{section.moe.bias_update_speed} would still move the frozen routers' biases: set it to 0 "
+                          f"for the warm-up")
+    weight = dsa_section.indexer_loss_weight
+    return {"dsa_stage": stage, "indexer_kl_weight": 1.0 if weight is None else weight}
+
+
+def _indexer_setup(engine, *, section, grad_accum):
+    configure_indexer(engine.module, grad_scale=1.0 / grad_accum)
+
+
+def _indexer_after_step(engine, *, section):
+    value = take_indexer_loss(engine.module)
+    return StepFigures(losses={} if value is None else {"indexer": value})
+
+
+# the lightning indexer's KL loss, computed inside the layers and reported as loss_indexer
+INDEXER_LOSS = StepHook(name="indexer loss", setup=_indexer_setup, after_step=_indexer_after_step,
+                        losses=("indexer",))
 
 
 # ---- generation ---------------------------------------------------------------------

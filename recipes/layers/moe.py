@@ -30,7 +30,7 @@ from torch import nn
 from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
 from .dispatch import DEFAULT_DISPATCH, check_node_limited, dispatch_and_combine
-from .mlp import ACTIVATIONS, SwiGLU
+from .mlp import ACTIVATIONS, SwiGLU, clamped_swiglu
 
 
 def _in_backward():
@@ -54,18 +54,27 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+# the routers' score functions (a config's scoring_func; DeepSeek-V3 "sigmoid", V4 "sqrtsoftplus")
+SCORE_FUNCTIONS = {"sigmoid": torch.sigmoid, "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt()}
+
+
 class TopkRouter(nn.Module):
+    """Scores in fp32 (``scoring_func``: DeepSeek-V3's sigmoid, V4's sqrt(softplus)), the
+    bias added for the choice only, group-limited top-k where ``n_group`` > 1."""
+
     # DeepSpeed keeps buffers named here in fp32 when training in bf16/fp16
     # (deepspeed/runtime/keep_in_fp32.py), as transformers' DeepseekV3 asks for.
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    needs_ids = False
 
     def __init__(self, config):
         super().__init__()
         c = config
         self.top_k = c.num_experts_per_tok
         self.num_experts = c.n_routed_experts
-        self.n_group = c.n_group
-        self.topk_group = c.topk_group
+        self.n_group = getattr(c, "n_group", 1)
+        self.topk_group = getattr(c, "topk_group", 1)
+        self.score_fn = SCORE_FUNCTIONS[getattr(c, "scoring_func", "sigmoid")]
         self.norm_topk_prob = c.norm_topk_prob
         self.routed_scaling_factor = c.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
@@ -79,7 +88,7 @@ class TopkRouter(nn.Module):
     def forward(self, x, *, seq_len=None):
         """x [T, H] -> (weights [T, k], indices [T, k]); ``seq_len`` splits T into
         sequences for the balance loss."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = self.score_fn(F.linear(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -114,19 +123,69 @@ class TopkRouter(nn.Module):
         return self.balance_alpha * (f * probs.mean(dim=1)).sum(dim=-1).mean()
 
 
+class HashRouter(nn.Module):
+    """DeepSeek-V4's hash routing: a token's experts come from a fixed table of its id
+    (``tid2eid`` [vocab, k], a persistent buffer: saved in checkpoints and exported),
+    its weights from the learned scores of those experts, normalised and scaled. No
+    bias, no load counting: the table decides the load. ``assign_balanced`` fills the
+    table (transformers initialises it to zeros: every token to expert 0)."""
+
+    needs_ids = True
+    n_group = topk_group = 1
+
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        self.top_k, self.num_experts = c.num_experts_per_tok, c.n_routed_experts
+        self.routed_scaling_factor = c.routed_scaling_factor
+        self.score_fn = SCORE_FUNCTIONS[c.scoring_func]
+        self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
+        self.register_buffer("tid2eid", torch.zeros(c.vocab_size, c.num_experts_per_tok, dtype=torch.long))
+
+    def assign_balanced(self, generator):
+        """Each token id to k distinct experts, every expert the same share of the
+        vocabulary's k slots (to one slot): experts in a random order, repeated, cut into
+        rows of k (k <= E consecutive entries of a cycle are distinct), the rows dealt to
+        the token ids in a random order."""
+        vocab, k, experts = self.tid2eid.shape[0], self.top_k, self.num_experts
+        cycle = torch.randperm(experts, generator=generator)
+        rows = cycle[torch.arange(vocab * k) % experts].view(vocab, k)
+        self.tid2eid.copy_(rows[torch.randperm(vocab, generator=generator)])
+
+    def forward(self, x, *, seq_len=None, ids=None):
+        if ids is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids, and none reached it: the recipe's pipeline "
+                             "carries them to every decoder layer (mlp_layer_types 'hash_moe')")
+        scores = self.score_fn(F.linear(x.float(), self.weight.float()))
+        indices = self.tid2eid[ids.reshape(-1)]
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
+
+
+def check_hash_table(tid2eid, *, num_experts, where):
+    """A loaded tid2eid names experts of the model only."""
+    if tid2eid.numel() and (int(tid2eid.min()) < 0 or int(tid2eid.max()) >= num_experts):
+        raise ValueError(f"{where}: tid2eid names experts {int(tid2eid.min())}..{int(tid2eid.max())}, outside the "
+                         f"{num_experts} of n_routed_experts: load a table made for this model (or leave it to the "
+                         f"recipe's balanced assignment)")
+
+
 class ExpertMLP(nn.Module):
     """One routed SwiGLU expert; ``gate_up_proj`` [2I, H] and ``down_proj`` [H, I] are
-    one row of transformers' packed [E, ...] expert tensors."""
+    one row of transformers' packed [E, ...] expert tensors; with the config's
+    ``swiglu_limit`` (V4) the gate and up projections are clamped."""
 
     def __init__(self, config):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * config.moe_intermediate_size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.moe_intermediate_size))
         self.act_fn = ACTIVATIONS[config.hidden_act]
+        self.limit = getattr(config, "swiglu_limit", None)
 
     def forward(self, x):
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(self.act_fn(gate) * up, self.down_proj)
+        return linear(clamped_swiglu(self.act_fn, gate, up, self.limit), self.down_proj)
 
 
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
@@ -215,6 +274,11 @@ def experts_implementation(*, requested, experts, dtype):
     if key not in _CHOSEN:
         if requested == "loop":
             choice = ("loop", "experts_impl 'loop'")
+        elif first.limit is not None and requested == "grouped":
+            raise ValueError(f"experts_impl 'grouped': the experts clamp their SwiGLU (swiglu_limit {first.limit}), "
+                             f"which the grouped path does not; use experts_impl 'auto' or 'loop'")
+        elif first.limit is not None:
+            choice = ("loop", f"swiglu_limit {first.limit}: the grouped path has no clamp")
         else:
             sample = list(experts)[:2]
             refused = None if first.down_proj.dtype == dtype else \
@@ -407,7 +471,11 @@ class DeepSeekMoE(_moe_base()):
     # switch halves at them (ds_ext/pipe/overlap.py)
     async_all_to_all = True
 
-    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto", dispatch=DEFAULT_DISPATCH):
+    def __init__(self, config, *, ep_size=1, ep_rank=0, seed=0, experts_impl="auto", dispatch=DEFAULT_DISPATCH,
+                 router=TopkRouter, shared_width=None):
+        """``router``: the router class (TopkRouter, or HashRouter for DeepSeek-V4's hash
+        layers); ``shared_width``: the shared experts' width (default
+        moe_intermediate_size x n_shared_experts)."""
         nn.Module.__init__(self)   # DeepSpeed's MoE.__init__ builds its own gate and experts; ours differ
         c = config
         if c.n_routed_experts % ep_size:
@@ -423,7 +491,7 @@ class DeepSeekMoE(_moe_base()):
         self.enable_expert_tensor_parallelism = False
         self.ep_group = None
         self.node_hops = None                # set by use_node_hops when the group spans nodes of several ranks
-        self.gate = TopkRouter(c)
+        self.gate = router(c)
         self.deepspeed_moe = nn.Module()
         self.deepspeed_moe.experts = nn.Module()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(ExpertMLP(c) for _ in range(self.num_local_experts))
@@ -432,7 +500,8 @@ class DeepSeekMoE(_moe_base()):
             p.allreduce = False
             p.group_name = self.expert_group_name
         # named without "expert": DeepSpeed treats every tensor whose name has it as routed
-        self.shared_mlp = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act)
+        self.shared_mlp = SwiGLU(c.hidden_size, shared_width or c.moe_intermediate_size * c.n_shared_experts,
+                                 c.hidden_act, limit=getattr(c, "swiglu_limit", None))
         self._init_std, self._seed = c.initializer_range, seed
 
     @property
@@ -474,7 +543,7 @@ class DeepSeekMoE(_moe_base()):
             raise RuntimeError(f"expert-parallel rank {rank} from DeepSpeed's groups differs from the {self.ep_rank} "
                                f"this layer was built for: the rank layout is not pipe x data")
 
-    def forward(self, x):
+    def forward(self, x, ids=None):
         """Routed experts plus the shared expert, the tokens moved by this layer's
         dispatcher (recipes/layers/dispatch.py). The token all-to-alls are asynchronous:
         the dispatch is in flight while the shared expert computes (forward, and in the
@@ -483,7 +552,8 @@ class DeepSeekMoE(_moe_base()):
         lets the other micro-batch compute."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None)
+        routing = {"ids": ids} if self.gate.needs_ids else {}
+        weights, indices = self.gate(flat, seq_len=shape[-2] if x.dim() == 3 else None, **routing)
         routed, shared = dispatch_and_combine(self.dispatch, flat, weights, indices, experts=self._run_experts,
                                               shared=lambda: self.shared_mlp(x), num_experts=self.num_experts,
                                               ep_size=self.ep_size, group=self.ep_group if self.ep_size > 1 else None,
