@@ -25,6 +25,7 @@ from ds_ext.errors import ConfigError
 from recipes.layers import moe, pipe
 from recipes.layers import hybrid_attention as ha
 from recipes.layers.dispatch import DEFAULT_DISPATCH
+from recipes.layers.dsa import INDEXER_LOSS, DsaSection, check_dsa, freeze_for_warmup, train_options
 from recipes.layers.mlp import ACTIVATIONS
 from recipes.layers.moe import SCORE_FUNCTIONS
 from recipes.layers.pipe import CausalLMLoss, LMHeadPipe, tied_lm_head
@@ -178,10 +179,13 @@ def make_config(preset, overrides=None, *, where="seekspeed.recipe"):
     return SPEC.make_config(preset, overrides, where=where)
 
 
-def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_dispatch=DEFAULT_DISPATCH):
+def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_dispatch=DEFAULT_DISPATCH,
+                dsa_stage="sparse", indexer_kl_weight=1.0):
     """The model as DeepSpeed layer specs: the embedding into hc_mult streams (the ids
-    travel along), the decoder layers, the head norm (HyperHead + RMSNorm), the head."""
+    travel along), the decoder layers, the head norm (HyperHead + RMSNorm), the head.
+    ``dsa_stage`` and ``indexer_kl_weight``: how CSA's indexers train (seekspeed.dsa)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    check_dsa(dsa_stage, indexer_kl_weight)
     if document_token is not None:
         raise ConfigError("document-bounded attention (seekspeed.data.attention \"document\") is not built for "
                           "DeepSeek-V4: its compressors pool windows across document boundaries; use \"causal\"")
@@ -191,7 +195,8 @@ def layer_specs(config, *, seed, ep_size=1, ep_rank=0, document_token=None, moe_
         embed = LayerSpec(V4EmbeddingPipe, config, seed=seed)
     specs = [embed]
     specs += [LayerSpec(V4DecoderLayerPipe, config, layer_idx=i, seed=seed, ep_size=ep_size, ep_rank=ep_rank,
-                        moe_dispatch=moe_dispatch) for i in range(config.num_hidden_layers)]
+                        moe_dispatch=moe_dispatch, dsa_stage=dsa_stage, indexer_kl_weight=indexer_kl_weight)
+              for i in range(config.num_hidden_layers)]
     specs.append(LayerSpec(V4HeadNormPipe, config, seed=seed))
     specs.append(TiedLayerSpec("embed", V4EmbeddingPipe, config, seed=seed, forward_fn=tied_lm_head,
                                tied_weight_attr=["embed_tokens.weight"]) if config.tie_word_embeddings
@@ -207,9 +212,20 @@ def loss_fn(config, *, mtp_loss_weight):
     return CausalLMLoss()
 
 
-def build_pipeline(config, **kwargs):
-    """The model as a DeepSpeed PipelineModule (recipes.layers.pipe.build_pipeline's arguments)."""
-    return SPEC.build_pipeline(config, **kwargs)
+def build_pipeline(config, *, dsa_stage="sparse", indexer_kl_weight=1.0, **kwargs):
+    """The model as a DeepSpeed PipelineModule (recipes.layers.pipe.build_pipeline's
+    arguments) and the indexers' training stage: under ``"warmup"`` every parameter but
+    the indexers' is frozen and activation checkpointing uses DeepSpeed's non-reentrant
+    checkpoint (deepseek_v32's build_pipeline says why)."""
+    module_kwargs = {}
+    if dsa_stage == "warmup":
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+        module_kwargs["activation_checkpoint_func"] = non_reentrant_checkpoint
+    module = pipe.build_pipeline(SPEC, config, module_kwargs=module_kwargs, dsa_stage=dsa_stage,
+                                 indexer_kl_weight=indexer_kl_weight, **kwargs)
+    if dsa_stage == "warmup":
+        freeze_for_warmup(module)
+    return module
 
 
 def config_from_hf(fields):
@@ -363,9 +379,12 @@ SPEC = RecipeSpec(
                          "q_lora_rank", "o_groups", "o_lora_rank", "layer_types", "mlp_layer_types", "hc_mult",
                          "tie_word_embeddings", "n_routed_experts", "moe_intermediate_size", "index_n_heads",
                          "index_head_dim")),
+    build=build_pipeline,
+    sections={"dsa": DsaSection},
+    options=train_options,
     build_options=pipe.build_options,
     routed_experts=moe.routed_experts,
-    hooks=(moe.balancing_hook(),),
+    hooks=(moe.balancing_hook(), INDEXER_LOSS),
 )
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from ds_ext.errors import ConfigError
 from ds_ext.pipe.zero_bubble import Linear
 
+from .dsa import IndexerLoss, indexer_kl
 from .hyper import unweighted_rms_norm
 from .rope import inv_freq_and_attention_factor
 
@@ -226,20 +227,28 @@ class SparseCompressor(nn.Module):
         self.kv_norm = Fp32RMSNorm(config.head_dim, config.rms_norm_eps)
         self.indexer = Indexer(config, rate=rate)
 
-    def forward(self, hidden, q_residual, positions, rotary):
+    def forward(self, hidden, q_residual, positions, rotary, *, dense=False, learns=False):
+        """-> (entries [B, 1, W, D], additive bias [B, 1, S, W], (index scores [B, S, W],
+        attended bool [B, S, W])). The indexer reads detached inputs (it learns from its
+        KL loss only, with a graph when ``learns``); ``dense`` (the warm-up): every
+        visible entry is attended, else the indexer's picks."""
         batch, windows = hidden.shape[0], hidden.shape[1] // self.rate
         entries = _compress(self.kv_proj(hidden), self.gate_proj(hidden), self.position_bias, rate=self.rate,
                             overlap=True, head_dim=self.head_dim, norm=self.kv_norm)
         cos, sin = rotary(_entry_positions(batch, windows, self.rate, hidden.device), "compress", entries.dtype)
         entries = rotate_tail(entries.unsqueeze(1), cos, sin)
-        scores = self.indexer.scores(hidden, q_residual, positions, rotary)
-        picks = self.indexer.select(scores, positions)
-        kept = picks >= 0
-        safe = torch.where(kept, picks, torch.full_like(picks, windows))
-        bias = entries.new_full((batch, 1, hidden.shape[1], windows + 1), float("-inf"))
-        bias.scatter_(-1, safe.unsqueeze(1), 0.0)
-        self.last_scores = scores
-        return entries, bias[..., :windows]
+        with torch.set_grad_enabled(learns):
+            scores = self.indexer.scores(hidden.detach(), q_residual.detach(), positions, rotary)
+        if dense:
+            attended = _visible(positions, windows, self.rate)
+        else:
+            picks = self.indexer.select(scores.detach(), positions)
+            safe = torch.where(picks >= 0, picks, torch.full_like(picks, windows))
+            attended = torch.zeros(picks.shape[:-1] + (windows + 1, ), dtype=torch.bool,
+                                   device=picks.device).scatter_(-1, safe, True)[..., :windows]
+        bias = entries.new_zeros((batch, 1, hidden.shape[1], windows)).masked_fill(~attended.unsqueeze(1),
+                                                                                    float("-inf"))
+        return entries, bias, (scores, attended)
 
 
 def sliding_mask(positions, window, dtype):
@@ -268,11 +277,15 @@ class GroupedProjection(nn.Module):
         return y.reshape(*shape, self.groups, -1)
 
 
-class HybridAttention(nn.Module):
-    """One V4 attention layer of ``layer_type``; names as transformers' DeepseekV4Attention."""
+class HybridAttention(IndexerLoss, nn.Module):
+    """One V4 attention layer of ``layer_type``; names as transformers' DeepseekV4Attention.
+    In CSA layers the indexer learns from L_I (recipes/layers/dsa.py: stage, KL weight,
+    recording), the KL of its scores against the main attention's probabilities of the
+    compressed entries, summed over heads and renormalised over the attended ones."""
 
     def __init__(self, config, *, layer_type):
         super().__init__()
+        self.init_indexer_loss()
         c = config
         self.layer_type, self.heads, self.head_dim = layer_type, c.num_attention_heads, c.head_dim
         self.window, self.o_groups, self.norm_eps = c.sliding_window, c.o_groups, c.rms_norm_eps
@@ -293,8 +306,12 @@ class HybridAttention(nn.Module):
             self.compressor = None
         self.rotary = Rotary(c)
 
+    @property
+    def has_indexer(self):
+        return self.layer_type == CSA
+
     def forward(self, hidden, positions):
-        """hidden [B, S, H], positions [B, S] -> [B, S, H]."""
+        """hidden [B, S, H], positions [B, S] -> ([B, S, H], L_I or None)."""
         batch, seq = hidden.shape[:2]
         cos, sin = self.rotary(positions, self.rope_kind, hidden.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(hidden))
@@ -303,24 +320,47 @@ class HybridAttention(nn.Module):
         kv = self.kv_norm(self.kv_proj(hidden)).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         kv = rotate_tail(kv, cos, sin)
         mask = sliding_mask(positions, self.window, hidden.dtype)
-        if self.compressor is not None:
+        learns = self.indexer_learns()
+        self.note_forward(learns)
+        index = None
+        if self.layer_type == CSA:
+            entries, bias, index = self.compressor(hidden, q_residual, positions, self.rotary,
+                                                   dense=self.stage == "warmup", learns=learns)
+        elif self.compressor is not None:
             entries, bias = self.compressor(hidden, q_residual, positions, self.rotary)
+        if self.compressor is not None:
             kv = torch.cat([kv, entries], dim=2)
             mask = torch.cat([mask.expand(batch, -1, -1, -1), bias.to(mask.dtype)], dim=-1)
-        out = self._attend(q, kv, mask)                                    # [B, S, heads, D]
+        out, probs = self._attend(q, kv, mask)                                # [B, S, heads, D]
+        loss = None
+        if learns:
+            loss = self.kl_weight * self._indexer_loss(probs[..., seq:].detach(), *index)
+            self.record(loss)
         out = rotate_tail(out.transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = self.o_a_proj(out.reshape(batch, seq, self.o_groups, -1)).flatten(2)
-        return self.o_b_proj(grouped)
+        return self.o_b_proj(grouped), loss
 
     def _attend(self, q, kv, mask):
         """Softmax over the keys and the head's sink (the sink's probability dropped),
-        as transformers' eager attention: [B, S, heads, D]."""
+        as transformers' eager attention: ([B, S, heads, D], the probabilities)."""
         logits = torch.matmul(q, kv.expand(-1, self.heads, -1, -1).transpose(2, 3)) * self.head_dim ** -0.5 + mask
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
         combined = torch.cat([logits, sinks.to(logits.dtype)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(kv.dtype)
-        return torch.matmul(probs, kv.expand(-1, self.heads, -1, -1)).transpose(1, 2).contiguous()
+        return torch.matmul(probs, kv.expand(-1, self.heads, -1, -1)).transpose(1, 2).contiguous(), probs
+
+    @staticmethod
+    def _indexer_loss(entry_probs, scores, attended):
+        """Mean over the queries that attend at least one entry of KL(p_t || softmax(I_t))
+        over the attended entries: p_t the main attention's probabilities of the
+        entries (``entry_probs`` [B, heads, S, W]) summed over heads and renormalised."""
+        target = entry_probs.float().sum(dim=1).masked_fill(~attended, 0.0)
+        rows = attended.any(dim=-1) & (target.sum(dim=-1) > 0)
+        if not rows.any():          # no query sees an entry yet (sequences shorter than the rate)
+            return scores.sum() * 0.0
+        target = target[rows]
+        return indexer_kl(target / target.sum(dim=-1, keepdim=True), scores[rows], attended[rows])
 
 
 def check_layer_types(config, where):

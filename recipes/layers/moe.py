@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.errors import ConfigError
 from ds_ext.pipe.zero_bubble import WeightGradStore, _accumulate, linear
 
 from .dispatch import DEFAULT_DISPATCH, check_node_limited, dispatch_and_combine
@@ -152,6 +153,12 @@ class HashRouter(nn.Module):
         rows = cycle[torch.arange(vocab * k) % experts].view(vocab, k)
         self.tid2eid.copy_(rows[torch.randperm(vocab, generator=generator)])
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        table = state_dict.get(prefix + "tid2eid")
+        if table is not None:
+            check_hash_table(table, num_experts=self.num_experts, where=prefix + "tid2eid")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x, *, seq_len=None, ids=None):
         if ids is None:
             raise ValueError("a hash-routed MoE layer needs the token ids, and none reached it: the recipe's pipeline "
@@ -166,7 +173,7 @@ class HashRouter(nn.Module):
 def check_hash_table(tid2eid, *, num_experts, where):
     """A loaded tid2eid names experts of the model only."""
     if tid2eid.numel() and (int(tid2eid.min()) < 0 or int(tid2eid.max()) >= num_experts):
-        raise ValueError(f"{where}: tid2eid names experts {int(tid2eid.min())}..{int(tid2eid.max())}, outside the "
+        raise ConfigError(f"{where}: tid2eid names experts {int(tid2eid.min())}..{int(tid2eid.max())}, outside the "
                          f"{num_experts} of n_routed_experts: load a table made for this model (or leave it to the "
                          f"recipe's balanced assignment)")
 

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from .dispatch import DEFAULT_DISPATCH
+from .dsa import _WarmupLink, configure_indexer
 from .hybrid_attention import Fp32RMSNorm, GroupedProjection, HybridAttention
 from .hyper import HyperConnection, HyperHead, hyper_residual
-from .moe import DeepSeekMoE, HashRouter, TopkRouter
+from .moe import DeepSeekMoE, HashRouter, TopkRouter, _AddAuxLossGrad
 from .pipe import EmbeddingPipe, _init_weights, layer_seed
 
 HASH, SCORED = "hash_moe", "moe"
@@ -65,16 +66,23 @@ class V4EmbeddingPipe(EmbeddingPipe):
 
 class V4DecoderLayerPipe(nn.Module):
     """One V4 block: streams -> attention between ``attn_hc``'s mix and spread, then the
-    MoE (hash-routed or score-routed, ``mlp_layer_types``) between ``ffn_hc``'s."""
+    MoE (hash-routed or score-routed, ``mlp_layer_types``) between ``ffn_hc``'s.
+
+    A CSA layer's indexer learns from its KL loss (``indexer_kl_weight``), delivered
+    through an identity's backward, in DeepSeek-V3.2's two stages (``dsa_stage``,
+    recipes/layers/dsa.py): "sparse", and "warmup", where attention is dense over the
+    visible entries and only the indexers learn: every layer then runs on its detached
+    input and hands it a zero gradient, so the backward visits the indexers only."""
 
     @staticmethod
     def hf_prefix(config, *, layer_idx, **module_kwargs):
         return f"model.layers.{layer_idx}."
 
-    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, moe_dispatch=DEFAULT_DISPATCH):
+    def __init__(self, config, *, layer_idx, seed, ep_size=1, ep_rank=0, moe_dispatch=DEFAULT_DISPATCH,
+                 dsa_stage="sparse", indexer_kl_weight=0.0):
         super().__init__()
         c = config
-        self.layer_idx = layer_idx
+        self.layer_idx, self.warmup = layer_idx, dsa_stage == "warmup"
         self.self_attn = HybridAttention(c, layer_type=c.layer_types[layer_idx])
         router = HashRouter if c.mlp_layer_types[layer_idx] == HASH else TopkRouter
         # V4's shared expert is one SwiGLU of moe_intermediate_size, whatever n_shared_experts says
@@ -85,15 +93,25 @@ class V4DecoderLayerPipe(nn.Module):
         self.attn_hc = HyperConnection(c)
         self.ffn_hc = HyperConnection(c)
         init_v4(self, seed=layer_seed(seed, 1 + layer_idx), std=c.initializer_range)
+        configure_indexer(self, weight=indexer_kl_weight, stage=dsa_stage)
 
-    def forward(self, x):
-        streams, ids = x
+    def block(self, streams, ids):
+        """(streams after the block, the indexer's KL loss or None)."""
         post, comb, collapsed = self.attn_hc(streams)
-        attended = self.self_attn(self.input_layernorm(collapsed), _positions(streams))
+        attended, loss = self.self_attn(self.input_layernorm(collapsed), _positions(streams))
         streams = hyper_residual(streams, attended, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), ids=ids)
-        return hyper_residual(streams, out, post, comb), ids
+        return hyper_residual(streams, out, post, comb), loss
+
+    def forward(self, x):
+        streams, ids = x
+        scale = self.self_attn.aux_grad_scale
+        if self.warmup and self.training and torch.is_grad_enabled():
+            out, loss = self.block(streams.detach(), ids)
+            return _WarmupLink.apply(out, streams.new_zeros(()) if loss is None else loss, streams, scale), ids
+        out, loss = self.block(streams, ids)
+        return (out if loss is None else _AddAuxLossGrad.apply(out, loss, scale)), ids
 
 
 class V4HeadNormPipe(nn.Module):
