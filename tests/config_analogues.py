@@ -46,11 +46,14 @@ def _has_moe(fields):
 
 
 def _tiny_preset(spec, preset):
-    """The recipe's CPU-sized preset with the same kind of layers as ``preset``."""
-    wanted = "tiny-moe" if _has_moe(spec.presets[preset]) else "tiny"
-    if wanted not in spec.presets:
-        raise CannotRun(f"recipe {spec.name} has no {wanted!r} preset to stand in for {preset!r}")
-    return wanted
+    """The recipe's CPU-sized preset ("tiny-moe" or "tiny") with the same kind of layers
+    (MoE or dense) as ``preset``."""
+    moe = _has_moe(spec.presets[preset])
+    for name in ("tiny-moe", "tiny"):
+        if name in spec.presets and _has_moe(spec.presets[name]) == moe:
+            return name
+    raise CannotRun(f"recipe {spec.name} has no tiny preset with {'MoE' if moe else 'dense'} layers to stand in "
+                    f"for {preset!r}")
 
 
 def _is_cpu_sized(cfg):
