@@ -115,6 +115,8 @@ def _compress(kv, gate, position_bias, *, rate, overlap, head_dim, norm):
     pools 2 x rate slots (window 0's first half empty). Returns [B, W, head_dim]."""
     batch = kv.shape[0]
     windows = kv.shape[1] // rate
+    if windows == 0:            # shorter than one window: no entry yet
+        return kv.new_zeros((batch, 0, head_dim))
     kv = kv[:, :windows * rate].view(batch, windows, rate, -1)
     gate = gate[:, :windows * rate].view(batch, windows, rate, -1) + position_bias
     if overlap:
