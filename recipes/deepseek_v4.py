@@ -362,6 +362,11 @@ def activation_bytes(config, kind, *, seq_len, act_bytes, fused_attention=True, 
     return streams + attention + ffn
 
 
+def boundary_bytes(config, *, act_bytes):
+    """A stage sends the next the hc_mult streams and the token ids (int64) per token."""
+    return config.hc_mult * config.hidden_size * act_bytes + 8
+
+
 SPEC = RecipeSpec(
     name="deepseek_v4",
     config_class=DeepseekV4Config,
@@ -371,7 +376,7 @@ SPEC = RecipeSpec(
     default_partition=DEFAULT_PARTITION,
     checkpointable_layers=CHECKPOINTABLE_LAYERS,
     planner=PlannerCosts(layer_kind=layer_kind, activation_bytes=activation_bytes, attention_flops=attention_flops,
-                         moe_kinds=tuple(KINDS.values())),
+                         moe_kinds=tuple(KINDS.values()), boundary_bytes=boundary_bytes),
     hf=TransformersAdapter(
         model_class="DeepseekV4ForCausalLM", to_hf_config=DeepseekV4Config.to_hf_config,
         from_hf_config=config_from_hf,

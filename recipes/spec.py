@@ -67,13 +67,22 @@ class PlannerCosts:
     attention. ``options`` are the run's RecipeSpec.train_options (a DSA stage, say).
     The planner treats kinds by their role: ``lookup_kinds`` gather rows of a table
     (the embedding), ``logits_kinds`` write the vocabulary's logits (the head),
-    ``moe_kinds`` hold routed experts (their all-to-all is costed)."""
+    ``moe_kinds`` hold routed experts (their all-to-all is costed). ``boundary_bytes(config,
+    *, act_bytes)``: bytes per token a stage sends the next (default: the hidden state,
+    and MTP's second one; DeepSeek-V4: hc_mult streams and the token ids)."""
     layer_kind: Callable
     activation_bytes: Callable
     attention_flops: Callable
     lookup_kinds: tuple = ("embed",)
     logits_kinds: tuple = ("head",)
     moe_kinds: tuple = ("moe", "mtp-moe")
+    boundary_bytes: Callable | None = None
+
+    def stage_boundary_bytes(self, config, *, act_bytes):
+        """Bytes per token between two pipeline stages."""
+        if self.boundary_bytes is not None:
+            return self.boundary_bytes(config, act_bytes=act_bytes)
+        return config.hidden_size * act_bytes * (2 if config.num_mtp_layers else 1)
 
 
 @dataclass(frozen=True, kw_only=True)

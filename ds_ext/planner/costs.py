@@ -183,7 +183,7 @@ def cost_layers(m, hw, *, ranks_per_node, bounds):
     shared_forward = 2 * tokens * 3 * mc.hidden_size * mc.moe_intermediate_size * mc.n_shared_experts / hw.gemm_flops
     costs = [layer_cost(m, hw, row, dispatch=a2a.dispatch_seconds, shared_forward=shared_forward) for row in m.rows]
     seconds = [c["compute_f"] + c["exposed_f"] + c["compute_b"] + c["exposed_b"] + c["W"] for c in costs]
-    p2p_bytes = tokens * mc.hidden_size * m.precision.act * (2 if mc.num_mtp_layers else 1)
+    p2p_bytes = tokens * m.recipe.planner.stage_boundary_bytes(mc, act_bytes=m.precision.act)
     pp = m.layout.pipe_stages
     pipe_cross = any(placement.node(st, 0) != placement.node(st + 1, 0) for st in range(pp - 1))
     p2p = p2p_bytes / ((hw.inter_gbps if pipe_cross else hw.intra_gbps) * GB) + hw.latency_us * 1e-6

@@ -139,8 +139,10 @@ def estimate_traffic(*, model_config, layout, ds, stage_params, moe, compute_tfl
         expert = tokens * layout.grad_accum * moe_per_stage * rows * (sent + 3 * row) / 4
     # forward + backward of one micro-batch on one stage: 6 FLOPs per parameter and token
     compute = 6 * stage_params * tokens / (compute_tflops * 1e12)
+    from recipes import spec_for
+    boundary = spec_for(model_config).planner.stage_boundary_bytes(model_config, act_bytes=act)
     return StepTraffic(gradient_bytes=stage_params * (4 if fp32_grads else 2),
-                       activation_bytes=tokens * model_config.hidden_size * act, micro_batches=layout.grad_accum,
+                       activation_bytes=tokens * boundary, micro_batches=layout.grad_accum,
                        expert_bytes=expert, compute_seconds=compute)
 
 
