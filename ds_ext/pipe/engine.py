@@ -103,7 +103,35 @@ class _FrozenExperts:
         return self._with_moe_hidden(super()._configure_zero_optimizer, optimizer)
 
     def _configure_bf16_optimizer(self, optimizer):
-        return self._with_moe_hidden(super()._configure_bf16_optimizer, optimizer)
+        built = self._with_moe_hidden(super()._configure_bf16_optimizer, optimizer)
+        if self.has_moe_layers and not self._frozen_experts():
+            _every_expert_group_in_norm(built)
+        return built
+
+
+def _every_expert_group_in_norm(optimizer):
+    """DeepSpeed's BF16 optimizer takes the gradient norm of each expert group with
+    collectives over the pipeline and expert groups, but only for the groups whose
+    experts this rank's own layers hold: a pipeline stage without MoE layers (an
+    embedding-only stage, dualpipe's copy stages left to their partner) skips
+    collectives its pipeline peers run, and the step hangs. Every rank names every
+    expert group of the model; where it holds none of a group's experts, a zero adds
+    nothing to the norm."""
+    import torch
+    from deepspeed.utils import groups
+    names = sorted(groups._get_expert_parallel_group_dict())
+    own = optimizer.get_grads_for_norm
+
+    def get_grads_for_norm(for_clipping=False):
+        got = own(for_clipping=for_clipping)
+        if for_clipping:
+            return got
+        non_expert, expert = got
+        for name in names:
+            expert.setdefault(name, [torch.zeros(1, dtype=torch.float32, device=optimizer.fp32_groups_gradients_flat[0].device)])
+        return non_expert, {name: expert[name] for name in sorted(expert)}
+
+    optimizer.get_grads_for_norm = get_grads_for_norm
 
 
 class SeekspeedPipelineEngine(_FrozenExperts, _TimedSchedule, PipelineEngine):
