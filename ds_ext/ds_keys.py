@@ -344,10 +344,17 @@ class _Trial:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                param = torch.nn.Parameter(torch.zeros(1, device=self.device))
-                opt = view._configure_basic_optimizer([param])
+                params = [torch.nn.Parameter(torch.zeros(1, device=self.device))]
+                if str(optimizer[0]).lower() == "muon":
+                    # Muon takes parameters deepspeed.set_optimizer_flags has tagged: one
+                    # matrix for its Newton-Schulz half, one vector for its auxiliary Adam
+                    params.append(torch.nn.Parameter(torch.zeros(2, 2, device=self.device)))
+                    for p in params:
+                        p.use_muon = p.dim() >= 2
+                opt = view._configure_basic_optimizer(params)
                 self.built = (opt, None)
-                param.grad = torch.zeros_like(param)
+                for p in params:
+                    p.grad = torch.zeros_like(p)
                 opt.step()
                 if scheduler is not None:      # as the engine does: build, then optimizer step, scheduler step
                     sched = view._scheduler_from_config(opt)

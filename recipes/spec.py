@@ -41,6 +41,12 @@ A spec holds:
   layer list (recipes/layers/reference.py) and the transformers tensor-name mapping
   (recipes/layers/hf.py) for tools that check or convert a model.
 
+Under DeepSpeed's Muon (``"optimizer": {"type": "Muon"}``) every parameter of two or
+more dimensions is orthogonalised by Muon except the embedding and the head, which go to
+its auxiliary Adam with the vectors (DeepSpeed's ``set_optimizer_flags``); a layer marks
+a matrix-shaped parameter that is not a linear map (a position bias, a table) with
+``ds_ext.muon.muon_exempt(param)`` to send it to the auxiliary Adam as well.
+
 The planner and the trainer also read these config fields, which every recipe's config
 has (DeepSeek-V3's names): hidden_size, vocab_size, num_hidden_layers,
 max_position_embeddings, num_mtp_layers, n_routed_experts, num_experts_per_tok,

@@ -299,6 +299,8 @@ def test_deepspeed_keys_are_checked_before_the_run(tmp_path, mutate, expected):
     lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "float"}),   # DeepSpeed's alias
     lambda c: c.update(scheduler={"type": "StepLR", "params": {"step_size": 10}}),          # a torch scheduler
     lambda c: c.update(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}),  # a torch optimizer
+    # DeepSpeed's Muon, built and stepped on tagged parameters as the engine gives it them
+    lambda c: c.update(optimizer={"type": "Muon", "params": {"lr": 2e-3, "muon_lr": 2e-2, "momentum": 0.95}}),
 ])
 def test_valid_deepspeed_keys_pass(tmp_path, mutate):
     from ds_ext.config import fp32_grad_accumulation

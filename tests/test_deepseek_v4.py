@@ -251,3 +251,29 @@ def test_attention_entries_per_query():
     assert ha.attention_entries(config, ha.HCA, seq_len=seq) == 128 + seq // 128
     assert ha.attention_entries(config, ha.CSA, seq_len=seq) == 128 + 512
     assert math.isclose(deepseek_v4._mean_keys(config, ha.SLIDING, seq_len=seq), 128 - 128 * 128 / (2 * seq))
+
+
+def test_muon_split_sends_position_biases_to_the_auxiliary_adam_and_refuses_untagged():
+    """DeepSpeed's Muon tags every matrix but the embedding and head for Newton-Schulz;
+    the compressors' position biases (matrix-shaped, not linear maps) are marked
+    ``muon_exempt`` by the layer and go to the auxiliary Adam; a parameter handed to the
+    optimizer without a tag is refused in one line."""
+    import deepspeed
+    from ds_ext.muon import muon_split
+
+    class _MuonConfig:
+        optimizer_name, optimizer_params = "muon", {}
+
+    model = SequentialReference(deepseek_v4.layer_specs(_config(), seed=0))
+    deepspeed.set_optimizer_flags(_MuonConfig(), model)
+    line = muon_split(model, list(model.parameters()))
+    on_adam = {n for n, p in model.named_parameters() if not p.use_muon and p.dim() >= 2}
+    assert {n.rsplit(".", 1)[-1] for n in on_adam} == {"position_bias", "weight"}
+    assert all("position_bias" in n or "embed_tokens" in n or "lm_head" in n for n in on_adam), on_adam
+    assert sum("position_bias" in n for n in on_adam) == 5       # tiny: 2 CSA (compressor, indexer), 1 HCA
+    assert all(p.use_muon for n, p in model.named_parameters() if "attn_hc.fn" in n or "gate_up_proj" in n)
+    assert "of them matrix-shaped" in line and "position_bias" in line
+    stray = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ConfigError, match=r"optimizer.type Muon: 1 parameter\(s\) carry no use_muon tag "
+                                          r"\(a \(3, 3\) tensor outside the model\); give the optimizer only"):
+        muon_split(model, [{"params": list(model.parameters()) + [stray]}])

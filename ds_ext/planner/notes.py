@@ -33,6 +33,16 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
     return notes
 
 
+def optimizer_notes(m):
+    """What the plan does not price about the optimizer the config names."""
+    kind = str(m.cfg.ds.get("optimizer", {}).get("type", "")).lower()
+    if kind != "muon":
+        return []
+    return ["optimizer Muon priced as Adam: 8 bytes of state per parameter (Muon keeps 4, its momentum, on the "
+            "matrices it orthogonalises), the step as Adam's memory-bound pass; Newton-Schulz's FLOPs and ZeRO's "
+            "all-gather of each Muon matrix's gradient and momentum are not in the step time"]
+
+
 def comm_notes(m, stages, reductions):
     """The compressor's dense warm-up, the momentum target, and the state it keeps."""
     comm = m.section.comm

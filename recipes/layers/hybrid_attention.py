@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_ext.errors import ConfigError
+from ds_ext.muon import muon_exempt
 from ds_ext.pipe.zero_bubble import Linear
 
 from .dsa import IndexerLoss, indexer_kl
@@ -148,7 +149,7 @@ class HeavyCompressor(nn.Module):
         self.rate, self.head_dim = rate, config.head_dim
         self.kv_proj = Linear(config.hidden_size, config.head_dim, bias=False)
         self.gate_proj = Linear(config.hidden_size, config.head_dim, bias=False)
-        self.position_bias = nn.Parameter(torch.zeros(rate, config.head_dim, dtype=torch.float32))
+        self.position_bias = muon_exempt(nn.Parameter(torch.zeros(rate, config.head_dim, dtype=torch.float32)))
         self.kv_norm = Fp32RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, hidden, q_residual, positions, rotary):
@@ -190,7 +191,7 @@ class Indexer(nn.Module):
             config.index_topk
         self.kv_proj = Linear(config.hidden_size, 2 * self.head_dim, bias=False)
         self.gate_proj = Linear(config.hidden_size, 2 * self.head_dim, bias=False)
-        self.position_bias = nn.Parameter(torch.zeros(rate, 2 * self.head_dim, dtype=torch.float32))
+        self.position_bias = muon_exempt(nn.Parameter(torch.zeros(rate, 2 * self.head_dim, dtype=torch.float32)))
         self.kv_norm = Fp32RMSNorm(self.head_dim, config.rms_norm_eps)
         self.q_b_proj = Linear(config.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.scorer = IndexerScorer(config)
@@ -225,7 +226,7 @@ class SparseCompressor(nn.Module):
         self.rate, self.head_dim = rate, config.head_dim
         self.kv_proj = Linear(config.hidden_size, 2 * config.head_dim, bias=False)
         self.gate_proj = Linear(config.hidden_size, 2 * config.head_dim, bias=False)
-        self.position_bias = nn.Parameter(torch.zeros(rate, 2 * config.head_dim, dtype=torch.float32))
+        self.position_bias = muon_exempt(nn.Parameter(torch.zeros(rate, 2 * config.head_dim, dtype=torch.float32)))
         self.kv_norm = Fp32RMSNorm(config.head_dim, config.rms_norm_eps)
         self.indexer = Indexer(config, rate=rate)
 
