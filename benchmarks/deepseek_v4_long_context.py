@@ -8,7 +8,9 @@
   tokens, and the not-yet-compressed tail (T mod 128 tokens of kv and gate logits);
   CSA: one entry per 4 tokens, the indexer's key per entry, the tails of both
   compressors (2 x head_dim features a token: the overlapping series) and their
-  overlap state (the last window's first series, kv and gate);
+  overlap state (the last window's first series, kv and gate); the count is
+  recipes/layers/v4_cache.py's ``cache_elements``, which the decoder's cache is tested
+  to hold;
 - forward FLOPs of one decoded token at position 1M: attention (each recipe's
   ``attention_flops``, the planner's figure, made marginal: d/dT of T x its average over
   positions 0..T, inference, no indexer-training target) and weight matmuls
@@ -28,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import write_figures
 from recipes import get_recipe
-from recipes.layers import hybrid_attention as ha
+from recipes.layers import v4_cache
 
 CONTEXTS = (4096, 65536, 1048576)
 MODELS = (("deepseek_v3", "deepseek-v3"), ("deepseek_v32", "deepseek-v3.2"),
@@ -43,19 +45,7 @@ def cache_elements(recipe, config, context):
         return c.num_hidden_layers * t * (c.kv_lora_rank + c.qk_rope_head_dim)
     if recipe == "deepseek_v32":
         return c.num_hidden_layers * t * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
-    total = 0
-    for layer_type in c.layer_types:
-        total += min(t, c.sliding_window) * c.head_dim
-        if layer_type == ha.SLIDING:
-            continue
-        rate = c.compress_rates[layer_type]
-        entries, tail = divmod(t, rate)
-        if layer_type == ha.HCA:
-            total += entries * c.head_dim + tail * 2 * c.head_dim
-        else:
-            for width in (c.head_dim, c.index_head_dim):          # the compressor, the indexer's keys
-                total += entries * width + tail * 2 * 2 * width + 2 * width
-    return total
+    return v4_cache.cache_elements(c, t)
 
 
 def attention_flops_at(spec, config, specs, position):

@@ -1,7 +1,9 @@
 """Sample from a seekspeed checkpoint or a transformers directory with the recipe's
-decoder (its spec's ``decoder``): MLA's latent KV cache, absorbed weights; per token
-and layer only kv_lora_rank + qk_rope_head_dim values are cached. A transformers
-directory's recipe is found by its config.json model_type.
+decoder (its spec's ``decoder``). DeepSeek-V3 and V3.2: MLA's latent KV cache, absorbed
+weights; per token and layer only kv_lora_rank + qk_rope_head_dim values are cached
+(V3.2: plus the indexer's key). DeepSeek-V4: the sliding window, the compressed entries,
+the compressors' tails and overlap state, the indexer's keys (recipes/layers/v4_cache.py).
+A transformers directory's recipe is found by its config.json model_type.
 
     python launch/generate.py --checkpoint runs/tiny/checkpoints --prompt "def main(" --max-new-tokens 80
     python launch/generate.py --hf exported/tiny --tokenizer byte --prompt "import " --temperature 0.8 --top-k 40
@@ -59,7 +61,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t0
     print(tokenizer.decode(out[0].tolist()))
     print(f"[{args.max_new_tokens} tokens in {elapsed:.2f}s, {args.max_new_tokens / elapsed:.1f} tok/s, "
-          f"{'no cache' if args.no_cache else 'latent KV cache'}]", file=sys.stderr)
+          f"{'no cache' if args.no_cache else decoder.cache_name}]", file=sys.stderr)
     return 0
 
 

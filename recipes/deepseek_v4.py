@@ -31,6 +31,7 @@ from recipes.layers.moe import SCORE_FUNCTIONS
 from recipes.layers.pipe import CausalLMLoss, LMHeadPipe, tied_lm_head
 from recipes.layers.rope import check_rope_parameters
 from recipes.layers.v4 import HASH, MLP_LAYER_TYPES, V4DecoderLayerPipe, V4EmbeddingPipe, V4HeadNormPipe
+from recipes.layers.v4_cache import V4Decoder
 from recipes.spec import PlannerCosts, RecipeSpec, TransformersAdapter
 from recipes.step import NotCostable
 
@@ -390,6 +391,7 @@ SPEC = RecipeSpec(
     build_options=pipe.build_options,
     routed_experts=moe.routed_experts,
     hooks=(moe.balancing_hook(), INDEXER_LOSS),
+    decoder=V4Decoder,
 )
 
 

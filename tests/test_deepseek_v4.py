@@ -5,10 +5,14 @@ training pieces.
   HCA emits 2 entries per row and CSA 64, of which the indexer keeps 16; hash and score
   routed layers; the parameters transformers initialises to 0 or 1 randomised): every
   layer's compressed entries, the indexer's scores and its selected entries equal
-  transformers', bitwise (the same operations in the same order on the same machine; on
-  equal scores one ``topk`` call on equal inputs breaks ties alike, and the ties present
-  are counted), logits and loss within 1e-5, and every gradient transformers computes
-  within the derived bound below.
+  transformers', bitwise (the same operations in the same order, one intra-op thread;
+  transformers' ``topk`` given the recipe's rule for ties, the earliest entry, since
+  torch.topk leaves it to the row's length; the ties present are counted), logits and
+  loss within 1e-5, and every gradient transformers computes within the derived bound
+  below.
+- Generation with V4's cache: every step's logits equal the full forward's within 1e-5,
+  the cache holds what the long-context arithmetic prices, and greedy tokens equal
+  transformers' generate with its own cache (the same tie rule) and decoding without one.
 - The indexer learns from its KL loss only: the main model's gradients do not change
   with the KL weight, the indexer's are non-zero; in the dense warm-up only the indexers
   have gradients.
@@ -20,6 +24,7 @@ training pieces.
 Single process; about 30 s.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -76,7 +81,28 @@ def _grads(model, config):
     return to_hf_state_dict({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, config)
 
 
-def test_entries_selection_logits_loss_and_gradients_match_transformers(monkeypatch):
+@contextlib.contextmanager
+def _first_topk(monkeypatch):
+    """transformers' topk calls with the recipe's rule for ties (the earliest index);
+    without ties it is torch.topk's result."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "topk", lambda t, k, dim=-1, largest=True, sorted=True:
+                  ha.first_topk(t, k, dim, largest, sorted))
+        yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: with more, a GEMM's reduction blocking follows its shape and
+    the thread split, and transformers' projections (other shapes than ours) would round
+    differently; with one, the same operations give the same bits on any CPU count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_entries_selection_logits_loss_and_gradients_match_transformers(monkeypatch, one_thread):
     config = _config()
     ours = _model(config).train()
     hf = _hf(config, ours).train()
@@ -85,7 +111,8 @@ def test_entries_selection_logits_loss_and_gradients_match_transformers(monkeypa
 
     theirs, hooks = _record(hf.modules(), {"DeepseekV4HCACompressor", "DeepseekV4CSACompressor",
                                            "DeepseekV4IndexerScorer", "DeepseekV4Indexer"})
-    logits_hf = hf(x).logits
+    with _first_topk(monkeypatch):
+        logits_hf = hf(x).logits
     for h in hooks:
         h.remove()
     loss_hf = F.cross_entropy(logits_hf.reshape(-1, logits_hf.shape[-1]), y.reshape(-1))
@@ -277,3 +304,49 @@ def test_muon_split_sends_position_biases_to_the_auxiliary_adam_and_refuses_unta
     with pytest.raises(ConfigError, match=r"optimizer.type Muon: 1 parameter\(s\) carry no use_muon tag "
                                           r"\(a \(3, 3\) tensor outside the model\); give the optimizer only"):
         muon_split(model, [{"params": list(model.parameters()) + [stray]}])
+
+
+def _decoder(config, seed=1):
+    from recipes.layers.v4_cache import V4Decoder
+    model = _model(config, seed=seed).eval()
+    return model, V4Decoder(model, config)
+
+
+def test_cached_logits_equal_the_full_forward_and_the_cache_holds_what_the_arithmetic_prices():
+    """Prefill 130 tokens (one HCA window and 32 CSA windows complete inside it), then one
+    token at a time to 270 (the second HCA window completes at 256): every step's logits
+    against the model's forward over the whole sequence; the cache's held values against
+    ``cache_elements`` after each step."""
+    from recipes.layers.v4_cache import V4Cache, cache_elements
+    config = _config()
+    _, decoder = _decoder(config)
+    ids = _ids(config, seed=2, seq=270)
+    expected = decoder.logits_without_cache(ids)
+    cache = V4Cache(config, batch=2)
+    got = [decoder.forward_cached(ids[:, :130], cache)]
+    assert cache.elements() == cache_elements(config, 130)
+    for t in range(130, 270):
+        got.append(decoder.forward_cached(ids[:, t:t + 1], cache))
+        assert cache.elements() == cache_elements(config, t + 1), t
+    diff = (torch.cat(got, dim=1) - expected).abs().max().item()
+    # the same fp32 operations on fewer rows (the projections' GEMMs blocked differently):
+    # rounding only, as the parity bound against transformers (1e-5 on logits of order 1)
+    assert diff <= 1e-5, diff
+
+
+def test_greedy_tokens_equal_transformers_generate_with_its_cache(monkeypatch):
+    """transformers' DeepseekV4ForCausalLM.generate (its own sliding-window, compressor,
+    overlap and indexer cache) and the recipe's decoder, greedy, from a 250-token prompt
+    through the HCA window boundary at 256 and 7 CSA windows; the indexer keeps 16 of
+    the 62+ visible entries, so the selection decides."""
+    config = _config()
+    model, decoder = _decoder(config, seed=3)
+    hf = _hf(config, model).eval()
+    prompt = _ids(config, seed=4, seq=250)[:1]
+    with _first_topk(monkeypatch):
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    ours = decoder.generate(prompt, max_new_tokens=30)
+    assert torch.equal(ours, theirs), (ours[0, 250:], theirs[0, 250:])
+    assert torch.equal(ours, decoder.generate(prompt, max_new_tokens=30, use_cache=False))
+    assert len(set(ours[0, 250:].tolist())) > 1          # not one token repeated

@@ -84,7 +84,7 @@ def _run_config(tmp_path, name, schedule):
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev-zb"])
 @pytest.mark.parametrize("name", NAMES)
-def test_recipe_trains_plans_and_exports(name, schedule, tmp_path):
+def test_recipe_trains_plans_and_exports(name, schedule, tmp_path, capsys):
     from ds_ext.hf_io import export_hf, load_checkpoint_model
     from ds_ext.planner import make_plan
     cfg = _run_config(tmp_path, name, schedule)
@@ -109,6 +109,11 @@ def test_recipe_trains_plans_and_exports(name, schedule, tmp_path):
     ids = torch.randint(0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - ours(ids)).abs().max().item() <= 1e-5
+    # launch/generate.py decodes the exported directory with the recipe's own cache
+    from launch.generate import main as generate
+    assert generate(["--hf", str(out), "--prompt", "def f(", "--max-new-tokens", "8"]) == 0
+    out_text, err = capsys.readouterr()
+    assert out_text.startswith("def f(") and get_recipe(name).decoder.cache_name in err, err
 
 
 # ---- a copied recipe's traps are start-up errors or warnings naming the class -------------

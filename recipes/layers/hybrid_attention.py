@@ -20,8 +20,10 @@ sink (a logit with no value); the output goes through a grouped low-rank project
 
 Every computation mirrors transformers' DeepseekV4 modules operation by operation (the
 same reductions, casts and mask values), so fp32 outputs agree to rounding of the same
-operations and the indexer ranks the same scores: on equal scores, the same ``topk``
-call breaks ties the same way. Unlike transformers, the indexer learns: its KL loss
+operations and the indexer ranks the same scores. One deliberate difference: on equal
+scores at the top-k boundary (ReLU zeros, common at initialisation) the earliest entry
+wins (``first_topk``), where transformers' ``topk`` leaves the choice to the row's
+length, so a cached decode step would not select as the full forward does. Unlike transformers, the indexer learns: its KL loss
 against the main attention over the compressed entries (DeepSeek-V3.2's objective,
 recipes/layers/dsa.py) enters the gradient through an identity's backward.
 
@@ -132,8 +134,16 @@ def _compress(kv, gate, position_bias, *, rate, overlap, head_dim, norm):
     return norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
 
 
-def _entry_positions(batch, windows, rate, device):
-    return (torch.arange(windows, device=device) * rate).unsqueeze(0).expand(batch, -1)
+def _entry_positions(batch, windows, rate, device, first=0):
+    return ((first + torch.arange(windows, device=device)) * rate).unsqueeze(0).expand(batch, -1)
+
+
+def rotated_entries(entries, rotary, rate, first=0):
+    """Entries [B, W, D] (entry ``first`` onwards) rotated at their window's first
+    position with the compressed layers' RoPE."""
+    batch, windows = entries.shape[:2]
+    cos, sin = rotary(_entry_positions(batch, windows, rate, entries.device, first), "compress", entries.dtype)
+    return rotate_tail(entries.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _visible(positions, windows, rate):
@@ -157,8 +167,7 @@ class HeavyCompressor(nn.Module):
         batch, windows = hidden.shape[0], hidden.shape[1] // self.rate
         entries = _compress(self.kv_proj(hidden), self.gate_proj(hidden), self.position_bias, rate=self.rate,
                             overlap=False, head_dim=self.head_dim, norm=self.kv_norm)
-        cos, sin = rotary(_entry_positions(batch, windows, self.rate, hidden.device), "compress", entries.dtype)
-        entries = rotate_tail(entries.unsqueeze(1), cos, sin)
+        entries = rotated_entries(entries, rotary, self.rate).unsqueeze(1)
         bias = entries.new_zeros((batch, 1, hidden.shape[1], windows)).masked_fill(
             ~_visible(positions, windows, self.rate).unsqueeze(1), float("-inf"))
         return entries, bias
@@ -180,6 +189,17 @@ class IndexerScorer(nn.Module):
         return (scores * weights.unsqueeze(-1)).sum(dim=2)                                  # [B, S, W]
 
 
+def first_topk(scores, k, dim=-1, largest=True, sorted=True):
+    """``torch.topk`` with a fixed rule for ties: the earliest index first (a stable
+    sort). torch.topk leaves the order among equal values unspecified, and on CPU it
+    follows the row's length, so a decode step (one query against W entries) and the
+    full forward (all queries, the final W) could pick different entries among the
+    ReLU-zero scores that are common at initialisation; with this rule both pick alike.
+    Same signature and result type as torch.topk (``sorted`` is always honoured)."""
+    order = scores.sort(dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
 class Indexer(nn.Module):
     """CSA's lightning indexer: its own overlapping compressor at ``index_head_dim``,
     queries from the attention's query latent, scores, and the top ``index_topk``
@@ -198,21 +218,23 @@ class Indexer(nn.Module):
 
     def scores(self, hidden, q_residual, positions, rotary):
         """Index scores [B, S, W] (fp32), -inf where an entry is not yet visible."""
-        batch, seq = hidden.shape[:2]
-        windows = seq // self.rate
         keys = _compress(self.kv_proj(hidden), self.gate_proj(hidden), self.position_bias, rate=self.rate,
                          overlap=True, head_dim=self.head_dim, norm=self.kv_norm)
-        cos, sin = rotary(_entry_positions(batch, windows, self.rate, hidden.device), "compress", keys.dtype)
-        keys = rotate_tail(keys.unsqueeze(1), cos, sin).squeeze(1)
+        return self.score_keys(rotated_entries(keys, rotary, self.rate), hidden, q_residual, positions, rotary)
+
+    def score_keys(self, keys, hidden, q_residual, positions, rotary):
+        """Scores of queries at ``positions`` against the rotated keys [B, W, D]."""
+        batch, seq = hidden.shape[:2]
         cos_q, sin_q = rotary(positions, "compress", hidden.dtype)
         q = self.q_b_proj(q_residual).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q = rotate_tail(q, cos_q, sin_q).transpose(1, 2)
         scores = self.scorer(q, keys, hidden)
-        return scores.masked_fill(~_visible(positions, windows, self.rate), float("-inf"))
+        return scores.masked_fill(~_visible(positions, keys.shape[1], self.rate), float("-inf"))
 
     def select(self, scores, positions):
-        """The top min(index_topk, W) entries per query, -1 for picks not visible."""
-        top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        """The top min(index_topk, W) entries per query, -1 for picks not visible; among
+        equal scores the earliest entry first (``first_topk``)."""
+        top = first_topk(scores, min(self.topk, scores.shape[-1])).indices
         visible = ((positions + 1) // self.rate).unsqueeze(-1)
         return torch.where(top >= visible, torch.full_like(top, -1), top)
 
@@ -235,23 +257,29 @@ class SparseCompressor(nn.Module):
         attended bool [B, S, W])). The indexer reads detached inputs (it learns from its
         KL loss only, with a graph when ``learns``); ``dense`` (the warm-up): every
         visible entry is attended, else the indexer's picks."""
-        batch, windows = hidden.shape[0], hidden.shape[1] // self.rate
         entries = _compress(self.kv_proj(hidden), self.gate_proj(hidden), self.position_bias, rate=self.rate,
                             overlap=True, head_dim=self.head_dim, norm=self.kv_norm)
-        cos, sin = rotary(_entry_positions(batch, windows, self.rate, hidden.device), "compress", entries.dtype)
-        entries = rotate_tail(entries.unsqueeze(1), cos, sin)
+        entries = rotated_entries(entries, rotary, self.rate).unsqueeze(1)
         with torch.set_grad_enabled(learns):
             scores = self.indexer.scores(hidden.detach(), q_residual.detach(), positions, rotary)
+        attended = self.attended(scores, positions, dense=dense)
+        return entries, entry_bias(attended, entries.dtype), (scores, attended)
+
+    def attended(self, scores, positions, *, dense):
+        """bool [B, S, W]: the entries each query attends (all visible ones when ``dense``)."""
+        windows = scores.shape[-1]
         if dense:
-            attended = _visible(positions, windows, self.rate)
-        else:
-            picks = self.indexer.select(scores.detach(), positions)
-            safe = torch.where(picks >= 0, picks, torch.full_like(picks, windows))
-            attended = torch.zeros(picks.shape[:-1] + (windows + 1, ), dtype=torch.bool,
-                                   device=picks.device).scatter_(-1, safe, True)[..., :windows]
-        bias = entries.new_zeros((batch, 1, hidden.shape[1], windows)).masked_fill(~attended.unsqueeze(1),
-                                                                                    float("-inf"))
-        return entries, bias, (scores, attended)
+            return _visible(positions, windows, self.rate)
+        picks = self.indexer.select(scores.detach(), positions)
+        safe = torch.where(picks >= 0, picks, torch.full_like(picks, windows))
+        return torch.zeros(picks.shape[:-1] + (windows + 1, ), dtype=torch.bool,
+                           device=picks.device).scatter_(-1, safe, True)[..., :windows]
+
+
+def entry_bias(attended, dtype):
+    """Additive [B, 1, S, W]: 0 where a query attends an entry, -inf elsewhere."""
+    return torch.zeros(attended.shape, dtype=dtype, device=attended.device).masked_fill(
+        ~attended, float("-inf")).unsqueeze(1)
 
 
 def sliding_mask(positions, window, dtype):
@@ -313,15 +341,29 @@ class HybridAttention(IndexerLoss, nn.Module):
     def has_indexer(self):
         return self.layer_type == CSA
 
-    def forward(self, hidden, positions):
-        """hidden [B, S, H], positions [B, S] -> ([B, S, H], L_I or None)."""
+    def project(self, hidden, positions):
+        """The rotated queries [B, heads, S, D], the rotated K = V [B, 1, S, D], the query
+        latent, and the rotation (cos, sin) of ``positions``."""
         batch, seq = hidden.shape[:2]
         cos, sin = self.rotary(positions, self.rope_kind, hidden.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(hidden))
         q = self.q_b_proj(q_residual).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q = rotate_tail(unweighted_rms_norm(q, self.norm_eps), cos, sin)
         kv = self.kv_norm(self.kv_proj(hidden)).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        kv = rotate_tail(kv, cos, sin)
+        return q, rotate_tail(kv, cos, sin), q_residual, (cos, sin)
+
+    def output(self, out, rotation):
+        """The attention output [B, S, heads, D] back-rotated, then the grouped projection."""
+        cos, sin = rotation
+        batch, seq = out.shape[:2]
+        out = rotate_tail(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = self.o_a_proj(out.reshape(batch, seq, self.o_groups, -1)).flatten(2)
+        return self.o_b_proj(grouped)
+
+    def forward(self, hidden, positions):
+        """hidden [B, S, H], positions [B, S] -> ([B, S, H], L_I or None)."""
+        batch, seq = hidden.shape[:2]
+        q, kv, q_residual, rotation = self.project(hidden, positions)
         mask = sliding_mask(positions, self.window, hidden.dtype)
         learns = self.indexer_learns()
         self.note_forward(learns)
@@ -339,9 +381,7 @@ class HybridAttention(IndexerLoss, nn.Module):
         if learns:
             loss = self.kl_weight * self._indexer_loss(probs[..., seq:].detach(), *index)
             self.record(loss)
-        out = rotate_tail(out.transpose(1, 2), cos, -sin).transpose(1, 2)
-        grouped = self.o_a_proj(out.reshape(batch, seq, self.o_groups, -1)).flatten(2)
-        return self.o_b_proj(grouped), loss
+        return self.output(out, rotation), loss
 
     def _attend(self, q, kv, mask):
         """Softmax over the keys and the head's sink (the sink's probability dropped),

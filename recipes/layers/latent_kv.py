@@ -84,6 +84,7 @@ class MLADecoder(nn.Module):
     its embedding, decoder layers (in order), final norm and head, found by class."""
 
     cache_class = LatentKVCache
+    cache_name = "latent KV cache"
 
     def __init__(self, reference, config):
         super().__init__()

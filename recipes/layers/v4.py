@@ -95,10 +95,13 @@ class V4DecoderLayerPipe(nn.Module):
         init_v4(self, seed=layer_seed(seed, 1 + layer_idx), std=c.initializer_range)
         configure_indexer(self, weight=indexer_kl_weight, stage=dsa_stage)
 
-    def block(self, streams, ids):
-        """(streams after the block, the indexer's KL loss or None)."""
+    def block(self, streams, ids, attend=None):
+        """(streams after the block, the indexer's KL loss or None); ``attend`` (the
+        normed input -> (output, loss)) replaces the attention over the whole sequence
+        (generation's cached attention, recipes/layers/v4_cache.py)."""
         post, comb, collapsed = self.attn_hc(streams)
-        attended, loss = self.self_attn(self.input_layernorm(collapsed), _positions(streams))
+        x = self.input_layernorm(collapsed)
+        attended, loss = attend(x) if attend is not None else self.self_attn(x, _positions(streams))
         streams = hyper_residual(streams, attended, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), ids=ids)
