@@ -42,6 +42,14 @@ def check_precision(ds, *, schedule, zero):
         raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
                           f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
                           f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")
+    if (str(ds.get("optimizer", {}).get("type", "")).lower() == "muon" and model == "bf16"
+            and (zero == 0 or accum == "fp32")):
+        # DeepSpeed's engine wraps bf16 in its BF16 optimizer here, which takes Muon only
+        # without a pipeline and without MoE layers, and stops at start-up otherwise
+        raise ConfigError(f"optimizer.type Muon with bf16 weights and {accum} accumulation under ZeRO stage {zero}: "
+                          f"DeepSpeed's BF16 optimizer runs Muon only without a pipeline or MoE: set "
+                          f"zero_optimization.stage 1 with bf16 accumulation (remove data_types.grad_accum_dtype), "
+                          f"or use optimizer AdamW")
     if accum == model:
         return
     bf16_optimizer = (model, accum) == ("bf16", "fp32")

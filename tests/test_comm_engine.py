@@ -1,6 +1,7 @@
 """The compressed reduction inside DeepSpeed's pipeline engines: seekspeed's dense
 path (compressor fp32) against DeepSpeed's own reduction, bitwise, for ZeRO 0 and 1,
-fp32 and bf16, MoE expert groups and a DualPipe schedule; communication only at the
+fp32 and bf16, MoE expert groups (DeepSeek-V4 under Muon among them) and a DualPipe
+schedule; communication only at the
 accumulation boundary; a non-finite gradient reaching DeepSpeed's overflow handling.
 Multi-rank (2 or 4 gloo ranks); about 90 s."""
 
@@ -15,20 +16,24 @@ MOE = {"first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size
 
 
 def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7,
-                       clip=1.0, weight_decay=None):
+                       clip=1.0, weight_decay=None, recipe="deepseek_v3", optimizer="AdamW"):
     """A tiny 4-layer pipeline engine (``comm``: a seekspeed.comm section as a dict, or
     None for DeepSpeed's reduction; ``precision`` fp32, bf16, bf16-fp32-accum or fp16)
     and an iterator over ``steps`` x ``gas`` micro-batches of this replica's data. At
-    ``poison_step`` rank 1's gradient of one matrix is multiplied by inf."""
+    ``poison_step`` rank 1's gradient of one matrix is multiplied by inf. ``recipe``
+    deepseek_v4: its tiny preset (4 MoE layers) instead; ``optimizer`` AdamW or Muon."""
     from deepspeed import comm as dist
     from ds_ext.config import CommSection
     from ds_ext.pipe.engine import initialize
-    from recipes import deepseek_v3
-    config = deepseek_v3.make_config("tiny", {"num_hidden_layers": 4, **overrides})
-    model = deepseek_v3.build_pipeline(config, num_stages=stages, schedule=schedule, seed=seed)
+    from recipes import get_recipe
+    spec = get_recipe(recipe)
+    config = spec.make_config("tiny", overrides if recipe == "deepseek_v4" else {"num_hidden_layers": 4, **overrides})
+    model = spec.build(config, num_stages=stages, schedule=schedule, seed=seed)
     params = {"lr": 1e-3, "eps": 1e-6} | ({} if weight_decay is None else {"weight_decay": weight_decay})
+    if optimizer == "Muon":
+        params |= {"muon_lr": 1e-2, "momentum": 0.95}
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-          "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": params},
+          "steps_per_print": 10 ** 6, "optimizer": {"type": optimizer, "params": params},
           "zero_optimization": {"stage": zero}}
     if precision.startswith("bf16"):
         ds["bf16"] = {"enabled": True}
@@ -53,9 +58,10 @@ def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, o
     return engine, batches()
 
 
-def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7):
+def _run(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7, **model):
     engine, it = engine_and_batches(comm, zero=zero, precision=precision, stages=stages, gas=gas, steps=steps,
-                                    schedule=schedule, overrides=overrides, poison_step=poison_step, seed=seed)
+                                    schedule=schedule, overrides=overrides, poison_step=poison_step, seed=seed,
+                                    **model)
     losses = [engine.train_batch(it).item() for _ in range(steps)]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     reducer = engine.grad_reducer
@@ -80,6 +86,9 @@ CASES = {
     "zero0-bf16": dict(zero=0, precision="bf16", stages=1, gas=2, schedule="1f1b", overrides={}),
     "zero1-bf16": dict(zero=1, precision="bf16", stages=1, gas=2, schedule="1f1b", overrides={}),
     "zero1-fp32-moe": dict(zero=1, precision="fp32", stages=1, gas=2, schedule="1f1b", overrides=MOE),
+    # DeepSeek-V4 (MoE in every layer, mHC, compressed attention) under DeepSpeed's Muon
+    "zero1-fp32-v4-moe-muon": dict(zero=1, precision="fp32", stages=1, gas=2, schedule="1f1b", overrides={},
+                                   recipe="deepseek_v4", optimizer="Muon"),
 }
 
 

@@ -1,7 +1,9 @@
 """Layer-level F&B overlap (``overlap="layer"``, ds_ext/pipe/overlap.py) trains exactly as
 the sequential F&B chunk does: the tiny-moe model on 4 ranks (2 stages x 2 replicas,
 expert-parallel degree 2, ZeRO-1, AdamW, clipping) for 3 optimizer steps under
-``dualpipev-zb`` (with MTP) and ``dualpipe``, overlap none and layer in the same
+``dualpipev-zb`` (with MTP) and ``dualpipe``, and DeepSeek-V4's tiny preset (hash and
+score routing, the mHC streams and token ids between stages) under ``dualpipev-zb``;
+overlap none and layer in the same
 processes from the same initial weights and data: bitwise the same losses, gradient
 norms and updated weights on every rank.
 
@@ -24,15 +26,19 @@ from tests.distributed import run_ranks
 STEPS, SEQ, MICRO, SEED = 3, 16, 2, 11
 
 
-def _train(schedule, overlap, *, mtp, trace):
+def _train(schedule, overlap, *, mtp, trace, recipe="deepseek_v3"):
     from deepspeed import comm as dist
-    from recipes import deepseek_v3
+    from recipes import get_recipe
     from ds_ext.pipe.engine import InstructionTimeline, initialize
-    overrides = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
-    if mtp:
-        overrides["num_mtp_layers"] = 1
-    config = deepseek_v3.make_config("tiny-moe", overrides)
-    model = deepseek_v3.build_pipeline(config, num_stages=2, schedule=schedule, seed=SEED, expert_parallel_size=2)
+    spec = get_recipe(recipe)
+    if recipe == "deepseek_v3":
+        overrides = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
+        if mtp:
+            overrides["num_mtp_layers"] = 1
+        config = spec.make_config("tiny-moe", overrides)
+    else:       # DeepSeek-V4's tiny preset: MoE in all 4 layers, hash-routed first, mHC streams between stages
+        config = spec.make_config("tiny")
+    model = spec.build(config, num_stages=2, schedule=schedule, seed=SEED, expert_parallel_size=2)
     gas = 4
     ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
                  "gradient_clipping": 1.0, "steps_per_print": 10**6,
@@ -57,8 +63,8 @@ def _train(schedule, overlap, *, mtp, trace):
     return {"losses": losses, "norms": norms, "weights": weights, "events": events}
 
 
-def _both(schedule, mtp):
-    return {mode: _train(schedule, mode, mtp=mtp, trace=mode == "layer") for mode in ("none", "layer")}
+def _both(schedule, mtp, recipe):
+    return {mode: _train(schedule, mode, mtp=mtp, trace=mode == "layer", recipe=recipe) for mode in ("none", "layer")}
 
 
 def _chunks_with_both(events):
@@ -78,9 +84,10 @@ def _chunks_with_both(events):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("schedule,mtp", [("dualpipev-zb", True), ("dualpipe", False)])
-def test_layer_overlap_trains_as_sequential(schedule, mtp):
-    results = run_ranks(_both, world_size=4, args=(schedule, mtp), timeout=300)
+@pytest.mark.parametrize("schedule,mtp,recipe", [("dualpipev-zb", True, "deepseek_v3"), ("dualpipe", False, "deepseek_v3"),
+                                                 ("dualpipev-zb", False, "deepseek_v4")])
+def test_layer_overlap_trains_as_sequential(schedule, mtp, recipe):
+    results = run_ranks(_both, world_size=4, args=(schedule, mtp, recipe), timeout=300)
     chunks = 0
     for rank, r in enumerate(results):
         none, layer = r["none"], r["layer"]
