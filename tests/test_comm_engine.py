@@ -28,7 +28,7 @@ def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, o
     from recipes import get_recipe
     spec = get_recipe(recipe)
     config = spec.make_config("tiny", overrides if recipe == "deepseek_v4" else {"num_hidden_layers": 4, **overrides})
-    model = spec.build(config, num_stages=stages, schedule=schedule, seed=seed)
+    model = spec.build_pipeline(config, num_stages=stages, schedule=schedule, seed=seed)
     params = {"lr": 1e-3, "eps": 1e-6} | ({} if weight_decay is None else {"weight_decay": weight_decay})
     if optimizer == "Muon":
         params |= {"muon_lr": 1e-2, "momentum": 0.95}

@@ -38,7 +38,7 @@ def _train(schedule, overlap, *, mtp, trace, recipe="deepseek_v3"):
         config = spec.make_config("tiny-moe", overrides)
     else:       # DeepSeek-V4's tiny preset: MoE in all 4 layers, hash-routed first, mHC streams between stages
         config = spec.make_config("tiny")
-    model = spec.build(config, num_stages=2, schedule=schedule, seed=SEED, expert_parallel_size=2)
+    model = spec.build_pipeline(config, num_stages=2, schedule=schedule, seed=SEED, expert_parallel_size=2)
     gas = 4
     ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
                  "gradient_clipping": 1.0, "steps_per_print": 10**6,
