@@ -1,7 +1,8 @@
 """The simulated cluster: 2 network-namespace nodes x 2 ranks joined by tc-shaped
 links run launch/train.py through one DeepSpeed launcher per node; everything is
 torn down after success and after failure; expert parallelism across nodes with the
-dispatch forwarded inside them, bitwise as on one node. Needs root and ip netns (skipped
+dispatch forwarded inside them, bitwise as on one node; DeepSeek-V4's 128-node layout in
+miniature. Needs root and ip netns (skipped
 with the reason where the sandbox forbids them; CI here permits them). About 2 minutes."""
 
 import json
@@ -104,5 +105,31 @@ def test_expert_parallelism_across_nodes_forwards_and_trains_as_on_one_node(tmp_
     forwarded = json.loads((tmp_path / "sim.json").read_text())["losses"]
     direct = json.loads((tmp_path / "local.json").read_text())["losses"]
     assert len(forwarded) == 3 and forwarded == direct
+    prefix = proc.stdout.split("namespaces ", 1)[1].split("-*", 1)[0]
+    assert prefix not in _namespaces() and prefix not in before          # torn down
+
+
+def test_training_the_v4_layout_in_miniature_on_simulated_nodes(tmp_path):
+    """ds_configs/128node_v4.json at tiny scale (tests/config_analogues.py: DeepSeek-V4's
+    tiny preset with the config's own schedule dualpipe, bf16 with fp32 accumulation,
+    ZeRO 1, the balanced cut, the overlapped reduction; 2 stages, expert parallelism 2) on
+    4 simulated nodes of 1 rank: each expert-parallel group and the pipeline span two
+    nodes, and the mHC streams and token ids cross the shaped links between stages."""
+    from tests.config_analogues import analogue
+    cfg, world = analogue("128node_v4.json")
+    assert world == 4 and cfg["seekspeed"]["recipe"]["name"] == "deepseek_v4"
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(cfg))
+    before = _namespaces()
+    summary = tmp_path / "s.json"
+    proc = _sim(["--nodes", "4", "--ranks-per-node", "1", "--rate", "1gbit", "--master-port", "29636", "--tail", "400",
+                 "--", "launch/train.py", "--deepspeed", str(path), "--steps", "3",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-json", str(summary)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["layout"]["world_size"] == 4 and s["layout"]["schedule"] == "dualpipe" and s["steps"] == 3
+    # the 3 score-routed MoE layers report their load (the hash-routed first one routes by table)
+    assert len(s["moe"]["expert_load"]) == 3 and all(0 < x < 20 for x in s["losses"])
+    assert "simcluster: 4 nodes x 1 ranks" in proc.stdout
     prefix = proc.stdout.split("namespaces ", 1)[1].split("-*", 1)[0]
     assert prefix not in _namespaces() and prefix not in before          # torn down
