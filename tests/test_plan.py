@@ -515,3 +515,12 @@ def test_sweep_ranks_the_layouts_that_fit(tmp_path):
     p = tmp_path / "best" / "cfg.json"
     p.write_text(json.dumps(_variant(json.loads(open(path).read()), best)))
     assert make_plan(str(p), nodes=1, ranks_per_node=4).tokens_per_s == pytest.approx(best.plan.tokens_per_s)
+
+
+def test_muon_is_named_as_priced_like_adam():
+    """The plan of a Muon config says what it does not price (Newton-Schulz, the gathers)
+    and that Muon's state is counted as Adam's; an AdamW config carries no such note."""
+    muon = make_plan(os.path.join(ROOT, "ds_configs", "tiny_v4_cpu.json"), nodes=1, ranks_per_node=4)
+    assert any(n.startswith("optimizer Muon priced as Adam") for n in muon.notes), muon.notes
+    adamw = make_plan(os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json"), nodes=1, ranks_per_node=4)
+    assert not any("Muon" in n for n in adamw.notes)
