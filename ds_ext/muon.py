@@ -13,6 +13,11 @@ from ds_ext.errors import ConfigError
 MUON_EXEMPT = "muon_exempt"
 
 
+def uses_muon(ds):
+    """Whether the DeepSpeed config ``ds`` (a dict) trains with DeepSpeed's Muon."""
+    return str(ds.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
 def muon_exempt(param):
     """``param`` (two or more dimensions, but not a linear map) takes Muon's auxiliary
     Adam instead of Newton-Schulz; returns it."""

@@ -2,6 +2,7 @@
 DeepSpeed resolves them, and which of them DeepSpeed and the schedule can train with."""
 
 from .errors import ConfigError
+from .muon import uses_muon
 from .pipe import schedule_spec
 
 
@@ -42,8 +43,7 @@ def check_precision(ds, *, schedule, zero):
         raise ConfigError(f"bf16.immediate_grad_update true does not work with schedule {schedule}: its W slots add "
                           f"the deferred weight gradients outside autograd, where the BF16 optimizer's hooks never "
                           f"see them: set bf16.immediate_grad_update false, or use schedule 1f1b or dualpipev")
-    if (str(ds.get("optimizer", {}).get("type", "")).lower() == "muon" and model == "bf16"
-            and (zero == 0 or accum == "fp32")):
+    if uses_muon(ds) and model == "bf16" and (zero == 0 or accum == "fp32"):
         # DeepSpeed's engine wraps bf16 in its BF16 optimizer here, which takes Muon only
         # without a pipeline and without MoE layers, and stops at start-up otherwise
         raise ConfigError(f"optimizer.type Muon with bf16 weights and {accum} accumulation under ZeRO stage {zero}: "

@@ -2,6 +2,8 @@
 parallelism's share of the experts, the all-to-all charged and in flight, the
 compressor's warm-up, target and state, unbalanced stages)."""
 
+from ds_ext.muon import uses_muon
+
 from .hardware import GB
 
 
@@ -35,8 +37,7 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
 
 def optimizer_notes(m):
     """What the plan does not price about the optimizer the config names."""
-    kind = str(m.cfg.ds.get("optimizer", {}).get("type", "")).lower()
-    if kind != "muon":
+    if not uses_muon(m.cfg.ds):
         return []
     return ["optimizer Muon priced as Adam: 8 bytes of state per parameter (Muon keeps 4, its momentum, on the "
             "matrices it orthogonalises), the step as Adam's memory-bound pass; Newton-Schulz's FLOPs and ZeRO's "

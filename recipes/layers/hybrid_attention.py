@@ -23,8 +23,8 @@ same reductions, casts and mask values), so fp32 outputs agree to rounding of th
 operations and the indexer ranks the same scores. One deliberate difference: on equal
 scores at the top-k boundary (ReLU zeros, common at initialisation) the earliest entry
 wins (``first_topk``), where transformers' ``topk`` leaves the choice to the row's
-length, so a cached decode step would not select as the full forward does. Unlike transformers, the indexer learns: its KL loss
-against the main attention over the compressed entries (DeepSeek-V3.2's objective,
+length, so a cached decode step would not select as the full forward does. Unlike
+transformers, the indexer learns: its KL loss against the main attention over the compressed entries (DeepSeek-V3.2's objective,
 recipes/layers/dsa.py) enters the gradient through an identity's backward.
 
 Attention here is the masked dense form (scores over the whole window and every
@@ -282,10 +282,11 @@ def entry_bias(attended, dtype):
         ~attended, float("-inf")).unsqueeze(1)
 
 
-def sliding_mask(positions, window, dtype):
-    """Additive [B, 1, S, S]: query t sees keys t - window < s <= t."""
+def sliding_mask(positions, window, dtype, key_positions=None):
+    """Additive [B, 1, S, T]: query t sees keys t - window < s <= t; the keys are the
+    queries themselves unless ``key_positions`` [B, T] says otherwise (a cache's window)."""
     t = positions.unsqueeze(-1)
-    s = positions.unsqueeze(-2)
+    s = (positions if key_positions is None else key_positions).unsqueeze(-2)
     seen = (s <= t) & (s > t - window)
     return torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf")).unsqueeze(1)
 

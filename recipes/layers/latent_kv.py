@@ -79,6 +79,14 @@ def absorbed_attention(attn, x, cache, layer, start, *, keep=None):
     return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * d_v))
 
 
+def head_weight(modules, embedding):
+    """The output projection among a reference's ``modules``: the head's weight, or the
+    embedding's where the head is tied to it."""
+    from .pipe import LMHeadPipe
+    heads = [m for m in modules if isinstance(m, LMHeadPipe)]
+    return heads[0].lm_head.weight if heads else embedding.embed_tokens.weight
+
+
 class MLADecoder(nn.Module):
     """The main model path (no MTP) of a recipe's SequentialReference, for generation:
     its embedding, decoder layers (in order), final norm and head, found by class."""
@@ -88,15 +96,14 @@ class MLADecoder(nn.Module):
 
     def __init__(self, reference, config):
         super().__init__()
-        from .pipe import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe
+        from .pipe import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, MTPLayerPipe
         self.config = config
         modules = list(reference.layer_modules())
         self.embedding = next(m for m in modules if isinstance(m, EmbeddingPipe))
         self.layers = nn.ModuleList(m for m in modules if isinstance(m, DecoderLayerPipe)
                                     and not isinstance(m, MTPLayerPipe))
         self.norm = next(m for m in modules if isinstance(m, FinalNormPipe))
-        heads = [m for m in modules if isinstance(m, LMHeadPipe)]
-        self.head_weight = heads[0].lm_head.weight if heads else self.embedding.embed_tokens.weight
+        self.head_weight = head_weight(modules, self.embedding)
 
     def _logits(self, hidden):
         return F.linear(self.norm(hidden), self.head_weight)

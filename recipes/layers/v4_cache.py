@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hybrid_attention as ha
-from .latent_kv import MLADecoder
+from .latent_kv import MLADecoder, head_weight
 
 
 def cache_elements(config, context):
@@ -112,13 +112,10 @@ class V4Cache:
 def cached_attention(attn, x, positions, state):
     """``attn`` (a HybridAttention) for new tokens ``x`` [B, S, H] at ``positions``
     [B, S], reading and extending its layer's ``state``."""
-    batch, seq = x.shape[:2]
     q, kv, q_residual, rotation = attn.project(x, positions)
     keys = kv[:, 0] if state.window is None else torch.cat([state.window, kv[:, 0]], dim=1)
     key_positions = positions[:, -1:] - keys.shape[1] + 1 + torch.arange(keys.shape[1], device=x.device)
-    t, s = positions.unsqueeze(-1), key_positions.unsqueeze(-2)
-    seen = (s <= t) & (s > t - attn.window)
-    mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill(~seen, float("-inf")).unsqueeze(1)
+    mask = ha.sliding_mask(positions, attn.window, x.dtype, key_positions)
     state.window = keys[:, -attn.window:]
     keys = keys.unsqueeze(1)
     if state.compressor is not None:
@@ -146,15 +143,13 @@ class V4Decoder(MLADecoder):
 
     def __init__(self, reference, config):
         nn.Module.__init__(self)
-        from .pipe import LMHeadPipe
         from .v4 import V4DecoderLayerPipe, V4EmbeddingPipe, V4HeadNormPipe
         self.config = config
         modules = list(reference.layer_modules())
         self.embedding = next(m for m in modules if isinstance(m, V4EmbeddingPipe))
         self.layers = nn.ModuleList(m for m in modules if isinstance(m, V4DecoderLayerPipe))
         self.head_norm = next(m for m in modules if isinstance(m, V4HeadNormPipe))
-        heads = [m for m in modules if isinstance(m, LMHeadPipe)]
-        self.head_weight = heads[0].lm_head.weight if heads else self.embedding.embed_tokens.weight
+        self.head_weight = head_weight(modules, self.embedding)
 
     @torch.no_grad()
     def logits_without_cache(self, ids):
