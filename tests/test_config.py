@@ -380,3 +380,26 @@ def test_bad_moe_dispatch_settings_are_refused_for_every_shipped_config(tmp_path
         with pytest.raises(ConfigError, match=pattern) as exc:
             load_config(str(path), world_size=world)
         assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "ds_configs")) if n.endswith(".json")))
+def test_muon_where_deepspeeds_bf16_optimizer_would_take_it_is_refused_for_every_shipped_config(tmp_path, name):
+    """Every config of ds_configs/ switched to Muon with bf16 weights and fp32 accumulation
+    (DeepSpeed's BF16 optimizer, which stops on any pipeline or MoE model): one line naming
+    the optimizer and the fix, from the loader, before anything is built or written."""
+    src = os.path.join(ROOT, "ds_configs", name)
+    world = _shipped_world(src)
+    with open(src) as f:
+        cfg = json.load(f)
+    cfg["optimizer"] = {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 1e-2}}
+    cfg["bf16"] = {"enabled": True}
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    cfg.setdefault("zero_optimization", {})["stage"] = 1
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^optimizer\.type Muon with bf16 weights and fp32 accumulation under ZeRO "
+                                          r"stage 1: .*remove data_types\.grad_accum_dtype\), or use optimizer AdamW$") \
+            as exc:
+        load_config(str(path), world_size=world)
+    assert "\n" not in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == [name]                    # nothing written beside the config
