@@ -10,6 +10,7 @@ from .errors import ConfigError
 from .pipe import LAYER_OVERLAP_SCHEDULES, schedule_spec
 
 OVERLAP_CHOICES = ("auto", "layer", "none")
+GRAD_NORM_CHOICES = ("deepspeed", "exact")
 
 SECTION = "seekspeed"
 
@@ -386,6 +387,9 @@ class SeekspeedSection:
     # data-parallel gradient reduction issued per virtual stage as soon as the schedule is done
     # with it, waited for at ReduceGrads (ds_ext/pipe/grad_overlap.py)
     overlap_grad_reduce: bool = False
+    # the global gradient norm (clipping, the logged norm): DeepSpeed's ("deepspeed"), or
+    # one that does not depend on the layout ("exact", ds_ext/grad_norm.py)
+    grad_norm: str = "deepspeed"
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -399,7 +403,7 @@ class SeekspeedSection:
 
     def check(self, where):
         schedule_spec(self.schedule, where=f"{where}.schedule")
-        _check_choices(where, self, overlap=OVERLAP_CHOICES)
+        _check_choices(where, self, overlap=OVERLAP_CHOICES, grad_norm=GRAD_NORM_CHOICES)
 
     # the recipes' own sections ({name: parsed section}, RecipeSpec.sections), set by load_config
     recipe_config: dict = field(default_factory=dict, init=False)

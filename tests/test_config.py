@@ -403,3 +403,38 @@ def test_muon_where_deepspeeds_bf16_optimizer_would_take_it_is_refused_for_every
         load_config(str(path), world_size=world)
     assert "\n" not in str(exc.value)
     assert sorted(os.listdir(tmp_path)) == [name]                    # nothing written beside the config
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "ds_configs")) if n.endswith(".json")))
+def test_exact_grad_norm_loads_or_is_refused_in_one_line_for_every_shipped_config(tmp_path, name):
+    """``seekspeed.grad_norm: "exact"`` in every config of ds_configs/: it loads where
+    DeepSpeed runs its ZeRO stage 1/2 or BF16 optimizer; the same config in fp32 at ZeRO
+    stage 0 (DeepSpeed's engine clips with its own norm there), or with a value that is
+    not a choice, is refused in one line by the loader, before anything is written."""
+    src = os.path.join(ROOT, "ds_configs", name)
+    world = _shipped_world(src)
+    with open(src) as f:
+        base = json.load(f)
+    path = tmp_path / name
+
+    def load(cfg):
+        path.write_text(json.dumps(cfg))
+        return load_config(str(path), world_size=world)
+    cfg = copy.deepcopy(base)
+    cfg["seekspeed"]["grad_norm"] = "exact"
+    zero = base.get("zero_optimization", {}).get("stage", 0)
+    bf16 = base.get("bf16", {}).get("enabled", False)
+    if zero in (1, 2) or bf16:
+        assert load(cfg).section.grad_norm == "exact"
+    cfg["zero_optimization"] = {"stage": 0}
+    cfg["bf16"] = {"enabled": False}
+    cfg.pop("data_types", None)
+    for section, pattern in (({}, r"^seekspeed\.grad_norm 'exact' with ZeRO stage 0 and fp32 weights: .*set "
+                                  r"zero_optimization\.stage 1, or grad_norm 'deepspeed'$"),
+                             ({"grad_norm": "fast"}, r"^seekspeed\.grad_norm 'fast' is not one of \['deepspeed', "
+                                                     r"'exact'\]$")):
+        cfg["seekspeed"].update(section)
+        with pytest.raises(ConfigError, match=pattern) as exc:
+            load(cfg)
+        assert "\n" not in str(exc.value)
+    assert sorted(os.listdir(tmp_path)) == [name]                    # nothing written beside the config

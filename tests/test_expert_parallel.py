@@ -14,7 +14,10 @@ autograd with degree 2 and by the data-parallel reduction with degree 1, a sum o
 terms, which commutes. With several micro-batches per step that would no longer hold:
 degree 1 adds a rank's micro-batches first and then the ranks, degree 2 the ranks inside
 each micro-batch (the same sum, associated differently); so each step is one micro-batch
-per replica, and there are more steps."""
+per replica, and there are more steps. The gradient norm that clipping divides by is the
+exact one (``seekspeed.grad_norm: "exact"``, ds_ext/grad_norm.py): DeepSpeed's own ZeRO-1
+norm sums the expert squares per expert-parallel rank, a different association with each
+degree, and came out an ulp apart."""
 
 import numpy as np
 import pytest
@@ -25,7 +28,7 @@ from tests.distributed import run_ranks
 STEPS, SEQ, MICRO, GAS, SEED = 4, 32, 2, 1, 5
 
 
-def _ep_rank(ep, recipe="deepseek_v3", clip=1.0):
+def _ep_rank(ep, recipe="deepseek_v3", clip=1.0, grad_norm=None, bf16=False):
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.utils import groups
@@ -39,7 +42,14 @@ def _ep_rank(ep, recipe="deepseek_v3", clip=1.0):
                  "gradient_clipping": clip, "steps_per_print": 10**6,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}},
                  "zero_optimization": {"stage": 1}}
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
+    if bf16:
+        ds_config |= {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    if grad_norm is None:
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
+    else:
+        from ds_ext.pipe.engine import initialize
+        engine = initialize(model=model, config=ds_config, model_parameters=list(model.parameters()),
+                            schedule="1f1b", grad_norm=grad_norm, log=lambda line: None)
     grid = model._grid
     dp = grid.get_data_parallel_id()
     g = torch.Generator().manual_seed(SEED)
@@ -66,8 +76,8 @@ def _ep_rank(ep, recipe="deepseek_v3", clip=1.0):
 
 @pytest.mark.multirank
 def test_expert_parallel_degree_two_equals_one():
-    one = run_ranks(_ep_rank, world_size=4, args=(1,), timeout=300)
-    two = run_ranks(_ep_rank, world_size=4, args=(2,), timeout=300)
+    one = run_ranks(_ep_rank, world_size=4, args=(1, "deepseek_v3", 1.0, "exact"), timeout=300)
+    two = run_ranks(_ep_rank, world_size=4, args=(2, "deepseek_v3", 1.0, "exact"), timeout=300)
     for a, b in zip(one, two):
         assert b["losses"] == a["losses"] and b["norms"] == a["norms"]
     assert all(n > 1.0 for n in one[0]["norms"])          # clipping at 1.0 acted on every step
@@ -102,18 +112,19 @@ def _weights(results):
 
 
 @pytest.mark.multirank
-def test_deepseek_v4_degree_two_equals_one_without_clipping():
+def test_deepseek_v4_degree_two_equals_one_with_the_exact_norm():
     """DeepSeek-V4's tiny preset (MoE in all 4 layers, a hash-routed one, the clamped
-    SwiGLU's per-expert loop, mHC streams and token ids between stages), gradient clipping
-    off: bitwise as degree 1, losses, gradient norms and every weight. With clipping at 1.0
-    the losses stay bitwise but DeepSpeed's ZeRO-1 gradient norm, whose expert part sums
-    squares per expert-parallel rank, came out 1 ulp apart on one step of four (2.814164639
-    against 2.814164877), and the clip coefficient moves the weights by up to 4.7e-7: that
-    norm is DeepSpeed's, not the model's arithmetic, and is not made bitwise here."""
-    one = run_ranks(_ep_rank, world_size=4, args=(1, "deepseek_v4", 0.0), timeout=300)
-    two = run_ranks(_ep_rank, world_size=4, args=(2, "deepseek_v4", 0.0), timeout=300)
+    SwiGLU's per-expert loop, mHC streams and token ids between stages), clipping at 1.0
+    acting on every step, ``seekspeed.grad_norm: "exact"``: bitwise as degree 1, losses,
+    gradient norms and every weight. DeepSpeed's own ZeRO-1 norm sums the expert squares
+    per expert-parallel rank and came out 1 ulp apart on one step of four (2.814164639
+    against 2.814164877); through the clip coefficient that moved weights by up to 4.7e-7.
+    The exact norm (ds_ext/grad_norm.py) is a function of the gradients alone."""
+    one = run_ranks(_ep_rank, world_size=4, args=(1, "deepseek_v4", 1.0, "exact"), timeout=300)
+    two = run_ranks(_ep_rank, world_size=4, args=(2, "deepseek_v4", 1.0, "exact"), timeout=300)
     for a, b in zip(one, two):
         assert b["losses"] == a["losses"] and b["norms"] == a["norms"]
+    assert all(n > 1.0 for n in one[0]["norms"])          # clipping at 1.0 acted on every step
     assert all(r["has_moe"] for r in one + two) and all(r["edp_size"] == 1 for r in two)
     got, ref = _weights(two), _weights(one)
     assert set(got) == set(ref) and any(k.endswith("mlp.7") for k in ref)

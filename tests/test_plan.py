@@ -524,3 +524,25 @@ def test_muon_is_named_as_priced_like_adam():
     assert any(n.startswith("optimizer Muon priced as Adam") for n in muon.notes), muon.notes
     adamw = make_plan(os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json"), nodes=1, ranks_per_node=4)
     assert not any("Muon" in n for n in adamw.notes)
+
+
+def test_exact_grad_norm_is_priced_on_each_ranks_share(tmp_path):
+    """``seekspeed.grad_norm: "exact"`` on 128node_v4.json (the BF16 optimizer, experts
+    across nodes): the optimizer time grows by the busiest rank's share of the gradients
+    (non-expert over the data-parallel group, routed experts over their own) times the
+    passes' bytes at the GPU's memory bandwidth, and a note names it; nothing else moves."""
+    from ds_ext.grad_norm import BYTES_PER_ELEMENT
+    from ds_ext.planner.hardware import GB
+    base = make_plan(os.path.join(ROOT, "ds_configs", "128node_v4.json"), nodes=128, ranks_per_node=8)
+    exact = make_plan(_config(tmp_path, "128node_v4.json", **{"seekspeed.grad_norm": "exact"}), nodes=128,
+                      ranks_per_node=8)
+    dp = base.layout["data_parallel"]
+    with open(os.path.join(ROOT, "ds_configs", "128node_v4.json")) as f:
+        ep = json.load(f)["seekspeed"]["moe"]["expert_parallel_size"]
+    want = max(((st.params - st.expert_params) / dp + st.expert_params / (dp // ep)) for st in base.stages) \
+        * BYTES_PER_ELEMENT / (base.hardware.hbm_gbps * GB)
+    assert exact.optimizer_seconds - base.optimizer_seconds == pytest.approx(want, rel=1e-9)
+    assert exact.step_seconds - base.step_seconds == pytest.approx(want, rel=1e-9)
+    assert 0 < want < 0.01 * base.step_seconds          # 57 ms of 26 s
+    assert [n for n in exact.notes if n not in base.notes] == [next(n for n in exact.notes
+                                                                    if n.startswith("grad_norm exact: "))]

@@ -490,13 +490,15 @@ def _engine_class(schedule, overlap="none"):
 
 
 def initialize(*, model, config, model_parameters, schedule, overlap="none", comm=None, checkpoint=None, node_of=None,
-               overlap_grad_reduce=False, log=print):
+               overlap_grad_reduce=False, grad_norm="deepspeed", log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
     needs (``overlap`` "layer": F&B chunks interleaved, see ds_ext/pipe/overlap.py); when
     ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
     compressed gradient reduction; when ``checkpoint`` (a ``seekspeed.checkpoint``
     section) names engine async-zstd, that checkpoint engine; with ``overlap_grad_reduce``
-    the data-parallel reduction overlapped with the drain (ds_ext/pipe/grad_overlap.py). Follows deepspeed.initialize's pipeline branch
+    the data-parallel reduction overlapped with the drain (ds_ext/pipe/grad_overlap.py);
+    ``grad_norm`` "exact": the layout-independent gradient norm (ds_ext/grad_norm.py).
+    Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
     no hook for choosing the engine class. Returns the engine."""
     import deepspeed
@@ -522,6 +524,11 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
     # resumed run then steps bitwise as the uninterrupted one (ds_ext/checkpoint/adam_history.py)
     from ds_ext.checkpoint.adam_history import install as history_free_adam
     history_free_adam(engine.optimizer)
+    if grad_norm == "exact":
+        from ds_ext.grad_norm import install as exact_norm
+        line = exact_norm(engine)
+        if dist.get_rank() == 0:
+            log(line)
     if comm is not None:
         install(engine, comm, node_of=node_of, log=log)
     if overlap_grad_reduce:

@@ -35,11 +35,19 @@ def expert_notes(m, hw, costed, *, flight, charged, overlap):
     return notes
 
 
-def optimizer_notes(m):
-    """What the plan does not price about the optimizer the config names."""
+def optimizer_notes(m, hw, stages):
+    """The exact gradient norm's passes, and what the plan does not price about the
+    optimizer the config names."""
+    notes = []
+    if m.section.grad_norm == "exact":
+        from ds_ext.grad_norm import BYTES_PER_ELEMENT
+        from .reductions import exact_norm_seconds
+        notes.append(f"grad_norm exact: {max(exact_norm_seconds(m, hw, st) for st in stages) * 1e3:,.1f} ms a step "
+                     f"on the busiest rank ({BYTES_PER_ELEMENT} bytes of memory-bound passes per gradient element it "
+                     f"counts), in the optimizer time")
     if not uses_muon(m.cfg.ds):
-        return []
-    return ["optimizer Muon priced as Adam: 8 bytes of state per parameter (Muon keeps 4, its momentum, on the "
+        return notes
+    return notes + ["optimizer Muon priced as Adam: 8 bytes of state per parameter (Muon keeps 4, its momentum, on the "
             "matrices it orthogonalises), the step as Adam's memory-bound pass; Newton-Schulz's FLOPs and ZeRO's "
             "all-gather of each Muon matrix's gradient and momentum are not in the step time"]
 

@@ -111,7 +111,7 @@ def make_plan(config, *, nodes, ranks_per_node, hardware=None, checkpoint_interv
         st.busy = b
     notes = (note.expert_notes(m, hw, costed, flight=flight, charged=charged, overlap=overlap)
              + note.comm_notes(m, stages, reductions) + note.balance_notes(sim.busy)
-             + note.optimizer_notes(m))
+             + note.optimizer_notes(m, hw, stages))
     return Plan(config=cfg.path, schedule=s.schedule, nodes=nodes, ranks_per_node=ranks_per_node,
                 layout=vars(lay) | {"tokens_per_step": lay.tokens_per_step}, placement=costed.placement.name,
                 hardware=hw, stages=stages, traffic=groups, compressor=comm.compressor,

@@ -125,6 +125,19 @@ def exposed_reduction(m, stages, reductions, *, bounds, sim, key):
     return max(0.0, max(ends) - sim.makespan), total
 
 
+def exact_norm_seconds(m, hw, st):
+    """``seekspeed.grad_norm: "exact"`` on the rank ``st``: its memory-bound passes
+    (ds_ext/grad_norm.py BYTES_PER_ELEMENT) over its share of the gradients: ZeRO's
+    partition, or under DeepSpeed's BF16 optimizer the same share of the whole gradients
+    (routed experts: of their expert-data-parallel group)."""
+    if m.section.grad_norm != "exact":
+        return 0.0
+    from ds_ext.grad_norm import BYTES_PER_ELEMENT
+    dp = max(m.layout.data_parallel, 1)
+    elements = (st.params - st.expert_params) / dp + st.expert_params / max(dp // m.ep, 1)
+    return elements * BYTES_PER_ELEMENT / (hw.hbm_gbps * GB)
+
+
 def optimizer_seconds(m, hw, stages, placement):
     """The optimizer step (memory bound, on the rank with the most parameters); under
     ZeRO 1 each rank steps its shard, then the updated weights are all-gathered over the
@@ -132,6 +145,7 @@ def optimizer_seconds(m, hw, stages, placement):
     dp, ep, p = m.layout.data_parallel, m.ep, m.precision
     biggest = max(stages, key=lambda st: st.params)
     seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
+    seconds += max(exact_norm_seconds(m, hw, st) for st in stages)
     if not (p.zero_stage >= 1 and dp > 1):
         return seconds
     from .collectives import all_gather
