@@ -13,6 +13,61 @@ from ds_ext.errors import ConfigError
 MUON_EXEMPT = "muon_exempt"
 
 
+# DeepSpeed's muon_update (deepspeed/runtime/zero/muon/original_muon.py): 5 Newton-Schulz
+# steps, the "gram" form (iterating on the n x n Gram matrix, restarted at the third step)
+NS_STEPS = 5
+
+
+def newton_schulz_flops(rows, cols):
+    """Matmul FLOPs of one ``muon_update`` of a (rows, cols) matrix, DeepSpeed's gram
+    form: with n = min, m = max, R = X X^T (2 n^2 m), per step Z = bR + cR^2 and the
+    updates of Q and R (2 n^3 each; the first step copies Q, the second and the last
+    skip R's update), the restart X = QX and R = X X^T (4 n^2 m) and the final QX
+    (2 n^2 m): 8 n^2 m + 28 n^3. A square matrix takes the standard iteration, 6 n^3 a
+    step."""
+    n, m = min(rows, cols), max(rows, cols)
+    if m == n:
+        return 6 * NS_STEPS * n ** 3
+    return 8 * n * n * m + 28 * n ** 3
+
+
+def muon_state_bytes(*, zero, grad_bytes, mixed):
+    """Bytes per Muon-updated element the optimizer keeps: under ZeRO 1/2 the momentum
+    and the copy each step stages it in (``_muon_staging_momentum``), both in the
+    gradient's dtype, plus the fp32 master in mixed precision; at stage 0 (fp32) the
+    momentum in the optimizer's state."""
+    if zero == 0:
+        return 4
+    return 2 * grad_bytes + (4 if mixed else 0)
+
+
+def muon_matrices(module, *, prefix, expert_ids):
+    """{True: routed-expert, False: other} (rows, cols) of the parameters of ``module``
+    (named ``prefix`` + its own names, as the pipeline names them) that DeepSpeed's
+    ``set_optimizer_flags`` and ``muon_exempt`` put on Newton-Schulz."""
+    import torch
+    from types import SimpleNamespace
+    from deepspeed import set_optimizer_flags
+    holder, node = torch.nn.Module(), None
+    parent = holder
+    *path, leaf = prefix.rstrip(".").split(".")
+    for name in path:
+        node = torch.nn.Module()
+        parent.add_module(name, node)
+        parent = node
+    parent.add_module(leaf, module)
+    set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), holder)
+    out = {True: [], False: []}
+    for p in module.parameters():
+        if p.use_muon and not getattr(p, MUON_EXEMPT, False):
+            out[id(p) in expert_ids].append((p.shape[0], p.numel() // p.shape[0]))
+    for p in module.parameters():
+        for attr in ("use_muon", "muon_num_heads", "muon_head_dim"):
+            if hasattr(p, attr):
+                delattr(p, attr)
+    return out
+
+
 def uses_muon(ds):
     """Whether the DeepSpeed config ``ds`` (a dict) trains with DeepSpeed's Muon."""
     return str(ds.get("optimizer", {}).get("type", "")).lower() == "muon"

@@ -517,13 +517,69 @@ def test_sweep_ranks_the_layouts_that_fit(tmp_path):
     assert make_plan(str(p), nodes=1, ranks_per_node=4).tokens_per_s == pytest.approx(best.plan.tokens_per_s)
 
 
-def test_muon_is_named_as_priced_like_adam():
-    """The plan of a Muon config says what it does not price (Newton-Schulz, the gathers)
-    and that Muon's state is counted as Adam's; an AdamW config carries no such note."""
-    muon = make_plan(os.path.join(ROOT, "ds_configs", "tiny_v4_cpu.json"), nodes=1, ranks_per_node=4)
-    assert any(n.startswith("optimizer Muon priced as Adam") for n in muon.notes), muon.notes
-    adamw = make_plan(os.path.join(ROOT, "ds_configs", "tiny_moe_cpu.json"), nodes=1, ranks_per_node=4)
-    assert not any("Muon" in n for n in adamw.notes)
+@pytest.mark.parametrize("shape", [(64, 320), (320, 64), (128, 128), (96, 40)])
+def test_newton_schulz_flops_are_deepspeeds_muon_update(shape):
+    """The planner's Newton-Schulz FLOPs per matrix equal the matmul FLOPs torch counts
+    in DeepSpeed's own muon_update (wide, tall, square)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    from ds_ext.muon import newton_schulz_flops
+    with FlopCounterMode(display=False) as counter:
+        muon_update(torch.randn(*shape), torch.zeros(*shape))
+    assert counter.get_total_flops() == newton_schulz_flops(*shape)
+
+
+def test_muon_matrices_are_the_ones_deepspeed_tags_and_muon_is_priced(tmp_path):
+    """The planner's Muon matrices (each layer built alone, named as the pipeline names it)
+    are the ones deepspeed.set_optimizer_flags and muon_split put on Newton-Schulz in the
+    whole tiny V4 model; on 128node_v4.json switched to Muon (bf16 accumulation, the only
+    form DeepSpeed runs it in there) each rank's optimizer state is AdamW's less 4 bytes per
+    orthogonalised element of its shard (12 against 8: momentum and staged copy in bf16 plus
+    the fp32 master), plus at most two matrices its partition cuts held whole, and the step
+    grows by the busiest rank's Newton-Schulz seconds (less the smaller state's memory-bound
+    pass); a note says so."""
+    import deepspeed
+    from ds_ext.config import load_config
+    from ds_ext.muon import muon_split
+    from ds_ext.planner.model import plan_model
+    from recipes import deepseek_v4
+    from recipes.layers.reference import SequentialReference
+
+    class _MuonConfig:
+        optimizer_name, optimizer_params = "muon", {}
+    cfg = load_config(_config(tmp_path, "tiny_v4_cpu.json", **{"seekspeed.moe.expert_parallel_size": 1}),
+                      world_size=4)
+    m = plan_model(cfg)
+    model = SequentialReference(deepseek_v4.layer_specs(m.mc, seed=0))
+    deepspeed.set_optimizer_flags(_MuonConfig(), model)
+    muon_split(model, list(model.parameters()))
+    tagged = sorted(p.numel() for p in model.parameters() if p.use_muon)
+    planned = sorted(a * b for r in m.rows for f in (True, False) for a, b in r["muon"][f])
+    assert planned == tagged and len(tagged) > 20
+
+    adam = make_plan(_config(tmp_path, "128node_v4.json", data_types={}), nodes=128, ranks_per_node=8)
+    muon = make_plan(_config(tmp_path, "128node_v4.json", data_types={}, optimizer={"type": "Muon",
+                                                                                      "params": {"lr": 2e-2}}),
+                     nodes=128, ranks_per_node=8)
+    dp = adam.layout["data_parallel"]
+    with open(os.path.join(ROOT, "ds_configs", "128node_v4.json")) as f:
+        ep = json.load(f)["seekspeed"]["moe"]["expert_parallel_size"]
+    mm = plan_model(load_config(_config(tmp_path, "128node_v4.json", data_types={}), world_size=1024))
+    for a, b in zip(adam.stages, muon.stages):
+        rows = [r for lo, hi in a.layers for r in mm.rows[lo:hi]]
+        mats = [(x, f) for r in rows for f in (True, False) for x in r["muon"][f]]
+        share = sum(x[0] * x[1] / (dp // ep if f else dp) for x, f in mats)
+        whole = sum(sorted((x[0] * x[1] for x, _ in mats), reverse=True)[:2]) * 2 * 2
+        assert b.optimizer == pytest.approx(a.optimizer - 4 * share + whole, rel=1e-9)
+        assert b.muon_seconds > 0 and a.muon_seconds == 0
+    # the optimizer's memory-bound pass reads and writes the (smaller) state of the rank with the most parameters
+    from ds_ext.planner.hardware import GB
+    big = max(range(len(adam.stages)), key=lambda i: adam.stages[i].params)
+    pass_change = 2 * (muon.stages[big].optimizer - adam.stages[big].optimizer) / (adam.hardware.hbm_gbps * GB)
+    assert muon.step_seconds - adam.step_seconds == pytest.approx(
+        max(st.muon_seconds for st in muon.stages) + pass_change, rel=1e-9)
+    assert any(n.startswith("optimizer Muon: Newton-Schulz (5 steps") for n in muon.notes), muon.notes
+    assert not any("Muon" in n for n in adam.notes)
 
 
 def test_exact_grad_norm_is_priced_on_each_ranks_share(tmp_path):

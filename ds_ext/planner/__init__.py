@@ -12,7 +12,10 @@ Memory per rank (bytes):
   ``data_types.grad_accum_dtype: fp32``), else x 2;
 - optimizer: Adam's two moments (8 bytes) plus an fp32 master copy (4) in mixed
   precision, divided by the data-parallel degree under ZeRO stage >= 1 (routed
-  experts: by their own expert-data-parallel degree);
+  experts: by their own expert-data-parallel degree); under DeepSpeed's Muon the
+  matrices it orthogonalises keep its momentum and a staged copy in the gradient's dtype
+  (plus the master), each Muon matrix a partition touches held whole
+  (memory.optimizer_state, ds_ext/muon.py);
 - activations: what autograd keeps per token of each layer (the recipe's
   ``PlannerCosts.activation_bytes``, recipes/spec.py, checked against the real layers
   in tests/test_plan.py)

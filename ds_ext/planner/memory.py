@@ -26,6 +26,7 @@ class StageMemory:
     # what the compressed reduction keeps between steps (seekspeed.comm; ds_ext.comm.traffic.state_bytes)
     comm_state: float = 0.0
     comm_state_parts: dict = field(default_factory=dict)
+    muon_seconds: float = 0.0  # DeepSpeed's Muon: this rank's Newton-Schulz matmuls a step
     busy: float = 0.0          # seconds a step this rank computes (the simulator's ops; idle and waits excluded)
     reduce_seconds: float = 0.0   # this rank's data-parallel gradient reduction on its own (not overlapped)
 
@@ -56,6 +57,33 @@ def chunk_activations(m, rows):
     return kept, recompute
 
 
+def optimizer_state(m, hw, rows, shards):
+    """(bytes of optimizer state, Newton-Schulz seconds a step) of a rank holding
+    ``rows``, its non-expert and routed-expert state cut into ``shards``. Adam (and
+    Muon's auxiliary Adam): Precision.optimizer per parameter. DeepSpeed's Muon
+    (ds_ext/muon.py): muon_state_bytes per orthogonalised element and
+    newton_schulz_flops per matrix at the GPU's rate; under ZeRO each rank holds every
+    Muon matrix its partition touches whole (momentum, staged copy, the update), so at
+    most two matrices cut by its partition's ends are counted whole on top."""
+    from ds_ext.muon import muon_state_bytes, newton_schulz_flops, uses_muon
+    p = m.precision
+    held = {True: sum(r["experts"] for r in rows)}
+    held[False] = sum(r["params"] for r in rows) - held[True]
+    if not uses_muon(m.cfg.ds):
+        return p.optimizer * (held[False] / shards[0] + held[True] / shards[1]), 0.0
+    mats = {f: [x for r in rows for x in r["muon"][f]] for f in (True, False)}
+    muon = {f: sum(a * b for a, b in mats[f]) for f in (True, False)}
+    per = muon_state_bytes(zero=p.zero_stage, grad_bytes=p.grad, mixed=p.weight == 2)
+    state = sum((p.optimizer * (held[f] - muon[f]) + per * muon[f]) / shards[int(f)] for f in (False, True))
+    flops = sum(sum(newton_schulz_flops(a, b) for a, b in mats[f]) / shards[int(f)] for f in (False, True))
+    if p.zero_stage >= 1 and max(shards) > 1:
+        whole = sorted(((a * b, newton_schulz_flops(a, b)) for f in (True, False) for a, b in mats[f]),
+                       reverse=True)[:2]
+        state += sum(n for n, _ in whole) * 2 * p.grad
+        flops += sum(f for _, f in whole)
+    return state, flops / hw.flops
+
+
 def stage_memories(m, hw, *, bounds, sim):
     """(per pipeline rank its StageMemory, per rank {True: routed-expert, False: other}
     (rows, cols) of its 2-D+ tensors) for the cut at ``bounds`` and the simulated step
@@ -79,10 +107,11 @@ def stage_memories(m, hw, *, bounds, sim):
         head_logits = m.tokens * mc.vocab_size * p.act if any(m.is_logits(r) for r in rows) else 0
         recompute = max(kept[c][1] for c in owned)
         stage_matrices.append({flag: [x for r in rows for x in r["matrices"][flag]] for flag in (True, False)})
+        optimizer, muon_seconds = optimizer_state(m, hw, rows, shards)
         stages.append(StageMemory(
             rank=rank, layers=[(bounds[c], bounds[c + 1]) for c in owned], params=params, expert_params=experts,
             weights=params * p.weight, gradients=params * p.grad,
-            optimizer=p.optimizer * ((params - experts) / shards[0] + experts / shards[1]),
+            optimizer=optimizer, muon_seconds=muon_seconds,
             activations=peak_full[rank] + head_logits,
             activations_checkpointed=peak_kept[rank] + recompute + head_logits,
             buffers=p.bucket + hw.reserve_gb * GB, checkpointing=m.interval > 0, in_flight=sim.peak_activations[rank]))

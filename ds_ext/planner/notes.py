@@ -47,9 +47,17 @@ def optimizer_notes(m, hw, stages):
                      f"counts), in the optimizer time")
     if not uses_muon(m.cfg.ds):
         return notes
-    return notes + ["optimizer Muon priced as Adam: 8 bytes of state per parameter (Muon keeps 4, its momentum, on the "
-            "matrices it orthogonalises), the step as Adam's memory-bound pass; Newton-Schulz's FLOPs and ZeRO's "
-            "all-gather of each Muon matrix's gradient and momentum are not in the step time"]
+    from ds_ext.muon import NS_STEPS, muon_state_bytes
+    p = m.precision
+    busiest = max(stages, key=lambda st: st.muon_seconds)
+    per = muon_state_bytes(zero=p.zero_stage, grad_bytes=p.grad, mixed=p.weight == 2)
+    return notes + [f"optimizer Muon: Newton-Schulz ({NS_STEPS} steps, DeepSpeed's gram form) "
+                    f"{busiest.muon_seconds * 1e3:,.1f} ms a step on rank {busiest.rank} at the GPU's rate, in the "
+                    f"optimizer time; {per} bytes of state per orthogonalised element"
+                    + (" (its momentum and the copy each step stages, in the gradient's dtype"
+                       + (", and the fp32 master" if p.weight == 2 else "") + "; a matrix cut by ZeRO's partition is "
+                       "held whole)" if p.zero_stage >= 1 else " (its momentum)")
+                    + f", {p.optimizer} per parameter on the auxiliary Adam"]
 
 
 def comm_notes(m, stages, reductions):

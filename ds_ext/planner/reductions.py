@@ -145,7 +145,7 @@ def optimizer_seconds(m, hw, stages, placement):
     dp, ep, p = m.layout.data_parallel, m.ep, m.precision
     biggest = max(stages, key=lambda st: st.params)
     seconds = 2 * (biggest.optimizer + biggest.weights + biggest.gradients / max(dp, 1)) / (hw.hbm_gbps * GB)
-    seconds += max(exact_norm_seconds(m, hw, st) for st in stages)
+    seconds += max(exact_norm_seconds(m, hw, st) + st.muon_seconds for st in stages)
     if not (p.zero_stage >= 1 and dp > 1):
         return seconds
     from .collectives import all_gather
