@@ -443,3 +443,79 @@ def test_hierarchical_topk_at_ratio_one_is_exact():
                                                          "chunk_mb": 0.01},))
     for r in results:
         _assert_means(r[0]["grads"], _dense_terms(4), 4)
+
+
+@pytest.mark.parametrize("with_worker", [True, False])
+def test_sign_momentum_encoding_kernel_is_the_torch_ops_bit_for_bit(with_worker):
+    """target momentum through sign: local x g + beta1 x m (+ the worker residual) formed in
+    the encoding's pass by the C++ kernel is the torch ops' bit for bit (each product and
+    sum rounded on its own, zero past g's length, a tail shorter than a block included), and
+    so are the codes; the scales agree up to their summation order (as in
+    test_block_codecs_decode_what_they_encode); the formed values are within gamma(3) of the
+    float64 momentum (three roundings, each relative to the magnitudes summed)."""
+    from ds_ext.comm.compressors import _SignCodec
+    g = torch.Generator().manual_seed(3)
+    n, block, blocks = 5000, 64, 80                     # 5120 padded: the last block is part tail
+    grad = torch.randn(n, generator=g) * torch.logspace(-4, 1, n)
+    m = torch.randn(n, generator=g) * 0.1
+    w = torch.randn(blocks * block, generator=g) * 1e-3 if with_worker else None
+    out = {}
+    for kernel in ("torch", "fused"):
+        rows = torch.full((blocks, block), float("nan"))       # whatever the buffer held before
+        scales, codes = _SignCodec(kernel=kernel).encode_momentum(rows, grad, m, w, local=0.2, beta1=0.9)
+        out[kernel] = (scales, codes, rows)
+    torch.testing.assert_close(out["torch"][2], out["fused"][2], rtol=0, atol=0)      # the formed momentum
+    torch.testing.assert_close(out["torch"][1], out["fused"][1], rtol=0, atol=0)      # its signs
+    np.testing.assert_allclose(out["torch"][0], out["fused"][0], rtol=2 * gamma(block))
+    formed = out["fused"][2].view(-1)
+    assert (formed[n:] == 0).all()
+    x = 0.2 * grad.double() + 0.9 * m.double() + (w[:n].double() if with_worker else 0)
+    size = 0.2 * grad.double().abs() + 0.9 * m.double().abs() + (w[:n].double().abs() if with_worker else 0)
+    assert ((formed[:n].double() - x).abs() <= gamma(3) * size).all()
+
+
+def _held_bytes_rank(compressor, target, chunk_mb, depth):
+    """Bytes the reducer and its compressor hold after 4 steps (the last two sending
+    momentum under target momentum), all tensors at least min_numel."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    world = tdist.get_world_size()
+    reducer = GradientReducer(_section(compressor=compressor, target=target, warmup_steps=2 if target == "momentum"
+                                       else 0, min_numel=1000, chunk_mb=chunk_mb, pipeline_depth=depth),
+                              node_of=[0] * world)
+    reducer.beta1 = 0.9
+    shapes = [(256, 300), (5000,), (300, 257)]
+    for step in range(4):
+        grads = _grads(tdist.get_rank(), shapes, seed=step)
+        reducer.begin_step()
+        reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+        reducer.end_step()
+    comp = reducer.compressor
+    held = sum(t.numel() * t.element_size() for st in comp.state.values() for t in st.values())
+    held += comp.pool.bytes() + reducer._scratch.bytes() + sum(t.numel() * 4 for t in reducer.momentum.values())
+    return {"held": held, "numel": sum(math.prod(s) for s in shapes), "dense_buffers": len(reducer._buffers)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compressor, target", [("sign", "gradient"), ("int4", "momentum")])
+def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target):
+    """ds_ext.comm.traffic.state_bytes (the planner's comm state) against the bytes the
+    reducer and its compressor hold after training steps (residuals, pooled scratch,
+    the momentum): 2 ranks, 5 chunks of 32768 entries (the last shorter), 2 in flight.
+    The planner does not count the two-phase padding (each chunk's segments are rounded
+    up to whole blocks: at most world x block entries a chunk, for the worker residual and
+    each pooled input, one block for the server residual and each pooled sum and tail),
+    and counts a sum and a tail per chunk in flight, which the pool may reuse within a
+    chunk (at most depth x 2 segments of chunk / world entries fewer)."""
+    from ds_ext.comm.traffic import default_block_size, state_bytes
+    world, chunk_mb, depth = 2, 0.125, 2
+    ranks = run_ranks(_held_bytes_rank, world_size=world, args=(compressor, target, chunk_mb, depth))
+    chunk = int(chunk_mb * 2 ** 20 / 4)
+    numel, block = ranks[0]["numel"], default_block_size(compressor)
+    chunks = math.ceil(numel / chunk)
+    planned = sum(state_bytes(compressor, numel=numel, nodes=1, per_node=world, hierarchical=False, target=target,
+                              chunk=chunk, depth=depth).values())
+    padding = 4 * (chunks + depth) * (world + 2) * block
+    for r in ranks:
+        assert r["dense_buffers"] == 0
+        assert planned - 4 * depth * 2 * chunk / world <= r["held"] <= planned + padding, (r["held"], planned, padding)

@@ -296,24 +296,29 @@ def test_two_phase_bytes_by_hand():
 
 
 def test_comm_state_by_hand():
-    """What the compression keeps per rank: the reducer's flat fp32 buffer, the worker
+    """What the compression keeps per rank: a chunk-sized region per chunk in flight
+    (two-phase: also its encoded input and the segment's sum and tail), the worker
     residual (full size), the two-phase server residual (1/W), target momentum's full
     local momentum; hierarchical: the chunks this rank exchanges (1/m), none on one node."""
     from ds_ext.comm.traffic import CHUNK_NUMEL, state_bytes
-    n = 16 * CHUNK_NUMEL
+    n, c = 16 * CHUNK_NUMEL, CHUNK_NUMEL
     kw = dict(numel=n, nodes=2, per_node=8)
+    scratch, two_phase = 4 * 2 * c, 4 * 2 * c * (2 + 2 / 16)
     assert state_bytes("none", hierarchical=False, **kw) == {}
-    assert state_bytes("fp32", hierarchical=False, **kw) == {"reduction buffer": 4 * n}
-    assert state_bytes("int8", hierarchical=False, **kw) == {"reduction buffer": 4 * n, "residual": 4 * n}
-    assert state_bytes("sign", hierarchical=False, **kw) == {"reduction buffer": 4 * n, "residual": 4 * n,
+    assert state_bytes("fp32", hierarchical=False, **kw) == {"chunk scratch": scratch}
+    assert state_bytes("int8", hierarchical=False, **kw) == {"chunk scratch": scratch, "residual": 4 * n}
+    assert state_bytes("sign", hierarchical=False, **kw) == {"chunk scratch": two_phase, "residual": 4 * n,
                                                             "server residual": 4 * n // 16}
     assert state_bytes("int4", hierarchical=False, target="momentum", **kw) == {
-        "reduction buffer": 4 * n, "local momentum": 4 * n, "residual": 4 * n, "server residual": 4 * n // 16}
+        "chunk scratch": two_phase, "local momentum": 4 * n, "residual": 4 * n, "server residual": 4 * n // 16}
     assert state_bytes("sign", hierarchical=True, target="momentum", **kw) == {
-        "reduction buffer": 4 * n, "local momentum": 4 * n, "residual": 4 * n / 8, "server residual": 4 * n // 16}
-    assert state_bytes("sign", hierarchical=True, numel=n, nodes=1, per_node=8) == {"reduction buffer": 4 * n}
-    assert sum(state_bytes("topk", hierarchical=False, **kw).values()) == 16 * n      # residual, its spare, |.|
-    assert state_bytes("sign", hierarchical=False, error_feedback=False, **kw) == {"reduction buffer": 4 * n}
+        "chunk scratch": 4 * 2 * c * (2 + 2 / 2), "local momentum": 4 * n, "residual": 4 * n / 8,
+        "server residual": 4 * n // 16}
+    assert state_bytes("sign", hierarchical=True, numel=n, nodes=1, per_node=8) == {"chunk scratch": scratch}
+    assert state_bytes("sign", hierarchical=False, numel=1000, nodes=2, per_node=8) == {
+        "chunk scratch": 4 * 1000 * (2 + 2 / 16), "residual": 4000, "server residual": 4 * 63}
+    assert sum(state_bytes("topk", hierarchical=False, **kw).values()) == 12 * n + scratch   # residual, spare, |.|
+    assert state_bytes("sign", hierarchical=False, error_feedback=False, **kw) == {"chunk scratch": two_phase}
 
 
 def _comm_plan(tmp_path, hardware=None, **comm):

@@ -40,6 +40,24 @@ class Collective:
     src: int = 0
 
 
+class ScratchPool:
+    """fp32 buffers by size, handed out and given back: the chunks in flight use as
+    many as are in flight at once."""
+
+    def __init__(self):
+        self.free = {}
+
+    def take(self, numel, device):
+        stack = self.free.get((numel, device))
+        return stack.pop() if stack else torch.empty(numel, dtype=torch.float32, device=device)
+
+    def give(self, buf):
+        self.free.setdefault((buf.numel(), buf.device), []).append(buf)
+
+    def bytes(self):
+        return sum(b.numel() * b.element_size() for stack in self.free.values() for b in stack)
+
+
 def _poison(region):
     region.fill_(float("nan"))
 
@@ -334,6 +352,19 @@ class _BlockCodec:
             self.table = self.values(torch.arange(256, dtype=torch.int64)).to(torch.float32).to(device)
         return self.table
 
+    def encode_momentum(self, rows, g, m, w, *, local, beta1, residual=False):
+        """``rows`` (the padded blocks) := local x g + beta1 x m (+ w, the worker
+        residual), each product and sum rounded on its own, zero past g's length; then
+        encoded as ``encode`` does. 1-bit Adam's momentum of this rank, formed where it
+        is encoded."""
+        n, x = g.numel(), rows.view(-1)
+        torch.mul(g, local, out=x[:n])
+        x[:n].add_(torch.mul(m, beta1))
+        if w is not None:
+            x[:n].add_(w[:n])
+        x[n:].zero_()
+        return self.encode(rows, residual)
+
     def encode(self, rows, residual=False):
         scales, codes = self.encode_torch(rows)
         if residual:
@@ -393,6 +424,17 @@ class _SignCodec(_BlockCodec):
         module.encode(rows.view(-1), scales, codes, rows.shape[1], residual)
         return scales, codes
 
+    def encode_momentum(self, rows, g, m, w, *, local, beta1, residual=False):
+        module = self.fused(rows.device)
+        if module is None:
+            return super().encode_momentum(rows, g, m, w, local=local, beta1=beta1, residual=residual)
+        scales = torch.empty(rows.shape[0], device=rows.device)
+        codes = torch.empty(rows.numel() // 8, dtype=torch.uint8, device=rows.device)
+        empty = torch.empty(0, device=rows.device)
+        module.encode_momentum(g, m, empty if w is None else w, rows.view(-1), scales, codes, rows.shape[1], local, beta1,
+                               residual)
+        return scales, codes
+
     def decode_into(self, scales, codes, out, accumulate=False, factor=1.0):
         module = self.fused(out.device)
         if module is None:
@@ -433,6 +475,10 @@ class TwoPhase:
     def __init__(self, codec, *, block_size=256, error_feedback=True):
         self.codec, self.block_size, self.error_feedback = codec, block_size, error_feedback
         self.state = {}
+        # this step's residuals and scratch, from buffers the chunks before gave back (a
+        # fresh gradient-sized allocation costs its page faults; one set per chunk in flight)
+        self.pool = ScratchPool()
+        self.finite = {}        # key: whether its last exchange was finite (a non-finite one poisons the region)
 
     def wants(self, shape):
         return True
@@ -449,15 +495,9 @@ class TwoPhase:
         self.codec.decode_into(scales, payload[blocks * 4:], out, **kw)
         return bool(torch.isfinite(scales).all())
 
-    def _buffer(self, st, name, numel, device):
-        """A buffer kept from step to step under ``name`` ("spare_*": scratch, not saved
-        with a checkpoint): a fresh gradient-sized allocation costs its page faults."""
-        buf = st.get(name)
-        if buf is None or buf.numel() != numel or buf.device != device:
-            buf = torch.empty(numel, device=device)
-        return buf
-
-    def exchange(self, key, region, views, group, scale=1.0):
+    def exchange(self, key, region, views, group, scale=1.0, momentum=None):
+        """``momentum`` (m, local, beta1): ``region`` holds this rank's gradient, and what
+        is averaged is its momentum local x region + beta1 x m."""
         world = torch.distributed.get_world_size(group)
         n, b = region.numel(), self.block_size
         seg = self._segment(n, world)
@@ -465,18 +505,24 @@ class TwoPhase:
         ef = self.error_feedback
         st = self.state.get(key, {})
         dev = region.device
-        # this step's residuals go into last step's spares, committed when the step is finite
-        x = self._buffer(st, "spare_worker", world * seg, dev)
-        x[n:].zero_()
-        if ef and "worker" in st:
-            torch.add(region, st["worker"][:n], out=x[:n])
+        # this step's residuals go into pooled buffers, committed when the step is finite
+        x = self.pool.take(world * seg, dev)
+        worker = st["worker"] if ef and "worker" in st else None
+        if momentum is not None:
+            m, local, beta1 = momentum
+            scales, codes = self.codec.encode_momentum(x.view(world * blocks, b), region, m, worker, local=local,
+                                                       beta1=beta1, residual=ef)
         else:
-            x[:n].copy_(region)
-        scales, codes = self.codec.encode(x.view(world * blocks, b), residual=ef)   # x: the worker residual now
+            x[n:].zero_()
+            if worker is not None:
+                torch.add(region, worker[:n], out=x[:n])
+            else:
+                x[:n].copy_(region)
+            scales, codes = self.codec.encode(x.view(world * blocks, b), residual=ef)   # x: the worker residual now
         send = torch.cat([scales.view(world, blocks).view(torch.uint8), codes.view(world, -1)], dim=1)
         recv = torch.empty_like(send)
         yield Collective("all_to_all", send.view(-1), group, out=[recv.view(-1)])
-        summed = self._buffer(st, "spare_server", seg, dev).view(blocks, b)
+        summed = self.pool.take(seg, dev).view(blocks, b)
         finite = True
         for r in range(world):
             finite &= self._decode_payload(recv[r], blocks, summed, accumulate=r > 0, factor=scale)
@@ -490,7 +536,7 @@ class TwoPhase:
         yield Collective("all_gather", mine, group, out=out)
         # every rank's segment decoded straight into the region; the one the region ends in
         # (padded to whole blocks) through a scratch segment
-        tail = self._buffer(st, "spare_tail", seg, dev)
+        tail = self.pool.take(seg, dev)
         for r, payload in enumerate(out):
             whole = (r + 1) * seg <= n
             target = region[r * seg:(r + 1) * seg] if whole else tail
@@ -498,20 +544,18 @@ class TwoPhase:
             if not whole and r * seg < n:
                 region[r * seg:].copy_(tail[:n - r * seg])
         self.state[key] = st
-        st["spare_tail"] = tail
-        if not finite:
-            if ef:
-                st["spare_worker"], st["spare_server"] = x, summed.view(-1)
-            _poison(region)
-            return              # the step is skipped: the residuals stay as they were
-        if ef:
-            spares = {"spare_worker": st.get("worker"), "spare_server": st.get("server")}
-            st.update(worker=x, server=summed.view(-1))
-            for name, buf in spares.items():
-                if buf is None:
-                    st.pop(name, None)
-                else:
-                    st[name] = buf
+        self.pool.give(tail)
+        self.finite[key] = finite
+        if not finite or not ef:
+            self.pool.give(x)
+            self.pool.give(summed.view(-1))
+            if not finite:
+                _poison(region)
+            return              # a non-finite step is skipped: the residuals stay as they were
+        for old in (st.get("worker"), st.get("server")):
+            if old is not None:
+                self.pool.give(old)
+        st.update(worker=x, server=summed.view(-1))
 
 
 def _orthonormalise(p):

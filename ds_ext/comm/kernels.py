@@ -6,7 +6,9 @@ build; under ds_ext.ops.build_guard, so a killed build's lock stalls no later on
 
 ``topk_select()``: the fused accumulate-and-select pass of sampled top-k on CPU
 (csrc/topk_select.cpp); ``sign_codec()``: sign's block encode (scales, packed bits, the
-residual in place) and decode-and-add (csrc/sign_codec.cpp). Both multithreaded with
+residual in place; with target momentum the momentum formed in the same pass) and
+decode-and-add (csrc/sign_codec.cpp). Built without floating-point contraction (no
+fused multiply-adds the torch ops they mirror would not make). Both multithreaded with
 OpenMP through at::parallel_for. None when they cannot be built (no C++ compiler, no
 ninja): the caller then uses torch ops, which do the same work in more passes over
 memory.
@@ -32,7 +34,7 @@ def _load(stem):
             from ds_ext.ops import build_guard
             name = _source_name(source, f"seekspeed_{stem}")
             with build_guard(name):      # no launch waits in silence on a killed build's lock
-                _built[stem] = load(name=name, sources=[source], extra_cflags=["-O3", "-fopenmp"],
+                _built[stem] = load(name=name, sources=[source], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                                     extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:        # no compiler, headers or ninja: torch ops do the same work
             _built[stem] = exc

@@ -24,7 +24,10 @@ data-parallel all-reduce of a list of gradients (averaging them in place):
   momentum a dense average would give), the m_i are averaged through the compressor
   (error feedback inside it) and the mean becomes M on every rank, and is what the
   gradients are overwritten with. install.FrozenVarianceAdam then steps with it and the
-  variance frozen at the warm-up's end.
+  variance frozen at the warm-up's end. Through a two-phase compressor (sign, int4)
+  without the hierarchy, m_i is formed in the encoding's pass (TwoPhase.exchange's
+  ``momentum``; on CPU in sign's C++ kernel) and the compressor's own check of the
+  decoded scales stands for the reducer's finiteness pass.
 
 Every rank issues the same collectives in the same order per group (ranks that skip
 a chunk's inter-node phase issue placeholders), so the FIFO driver cannot deadlock.
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field, asdict
 import torch
 import torch.distributed as tdist
 
-from .compressors import Collective, Dense, make_compressor
+from .compressors import Collective, Dense, ScratchPool, make_compressor
 
 
 @dataclass
@@ -88,6 +91,7 @@ class GradientReducer:
         self.chunk_numel = max(1, int(section.chunk_mb * 2 ** 20 / 4))
         self.steps = 0
         self._buffers = {}
+        self._scratch = ScratchPool()     # chunk-sized regions, as many as chunks in flight
         self.stats = ReduceStats()
         self.last = None
         # target "momentum": Adam's beta1 (set by install), M per (key, part), whether the
@@ -138,8 +142,9 @@ class GradientReducer:
         """``reduce`` as a generator: it yields the collectives' work handles it would
         wait for next and carries on once they are done (the caller waits, or polls and
         resumes it later: ds_ext/pipe/grad_overlap.py), ending with ``grads`` averaged.
-        The inputs are copied out when it starts, so a caller may resume it after more
-        backward work has run (as long as that work leaves ``grads`` alone)."""
+        Each chunk reads its share of ``grads`` when it starts and writes the average
+        back when it ends, so a caller may resume it after more backward work has run
+        as long as that work leaves ``grads`` alone."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
         comp = self.dense if self.warming_up else self.compressor
@@ -161,53 +166,120 @@ class GradientReducer:
             buffers.append((small, buf, (key, "dense")))
             tasks.append(self.dense.exchange((key, "dense"), buf, [buf], group, scale))
             self.stats.dense_numel += buf.numel()
+        fused, checked = [], None    # chunk keys whose momentum the compressor forms (and checks) itself
         if big:
-            buf = self._flat((key, "compressed"), big)
-            if sending:
-                self._local_momentum((key, "compressed"), buf, local)
-            buffers.append((big, buf, (key, "compressed")))
-            if comp is self.dense:
-                self.stats.dense_numel += buf.numel()
-            else:
-                self.stats.compressed_numel += buf.numel()
+            part = (key, "compressed")
+            numel = sum(g.numel() for g in big)
             groups = self.node_groups if hierarchical else None
-            for c, (region, views) in enumerate(self._chunks(comp, big, buf)):
-                tasks.append(self._chunk(comp, (key, c), region, views, group, groups, c, scale))
+            # without the hierarchy (whose in-node sum comes first) the compressor forms the
+            # momentum in its encoding's pass: b1 M rides along with each chunk
+            fuse = sending and groups is None and getattr(comp, "fuses_momentum", False)
+            m = self._momentum_of(part, numel) if sending else None
+            if comp is self.dense:
+                self.stats.dense_numel += numel
+            else:
+                self.stats.compressed_numel += numel
+            for c, (at, pieces) in enumerate(self._chunks(comp, big)):
+                mom = None
+                if sending:
+                    mom = (m[at:at + sum(n for _, _, n in pieces)], local, self.beta1, fuse)
+                tasks.append(self._chunk_task(comp, (key, c), pieces, group, groups, c, scale, momentum=mom))
+                if fuse:
+                    fused.append((key, c))
         yield from self._drive(tasks)
+        if fused:
+            checked = all(comp.finite[k] for k in fused)
         if self.section.target == "momentum":
-            self._update_momentum(buffers)
+            if big:
+                buffers.append((big, None, (key, "compressed")))
+            self._update_momentum(buffers, checked=checked)
         for tensors, buf, _ in buffers:
+            if buf is None:
+                continue
             offset = 0
             for g in tensors:
                 g.copy_(buf[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         self.stats.total_s += time.perf_counter() - start
 
-    def _local_momentum(self, part, buf, local):
-        """buf (this rank's gradient) becomes its momentum b1 M + local x gradient."""
+    def _chunk_task(self, comp, key, pieces, group, groups, index, scale, momentum=None):
+        """One chunk: its pieces of the gradients copied into a chunk-sized scratch region
+        (from a pool: about ``pipeline_depth`` of them are in use at once, not a copy of
+        the whole gradient), with target momentum the rank's momentum formed there (or,
+        ``fuse``, by the compressor), exchanged, and the average copied back."""
+        numel = sum(n for _, _, n in pieces)
+        region = self._scratch.take(numel, pieces[0][0].device)
+        views, offset = [], 0
+        for g, lo, n in pieces:
+            if n == g.numel():
+                region[offset:offset + n].copy_(g.reshape(-1))
+                views.append(region[offset:offset + n] if comp.splittable else region[offset:offset + n].view(g.shape))
+            else:
+                region[offset:offset + n].copy_(g.view(-1)[lo:lo + n])
+                views.append(region[offset:offset + n])
+            offset += n
+        mom = None
+        if momentum is not None:
+            m, local, beta1, fuse = momentum
+            if fuse:
+                mom = (m, local, beta1)
+            else:
+                region.mul_(local).add_(m, alpha=beta1)
+        yield from self._chunk(comp, key, region, views, group, groups, index, scale, momentum=mom)
+        offset = 0
+        for g, lo, n in pieces:
+            if n == g.numel():
+                g.copy_(region[offset:offset + n].view_as(g))
+            else:
+                g.view(-1)[lo:lo + n].copy_(region[offset:offset + n])
+            offset += n
+        self._scratch.give(region)
+
+    def _momentum_of(self, part, numel):
+        """M of ``part``, which must hold ``numel`` entries (this rank's gradients)."""
         m = self.momentum.get(part)
-        if m is None or m.numel() != buf.numel():
+        if m is None or m.numel() != numel:
             raise RuntimeError(f"comm target momentum: no warm-up momentum for {part!r} (the gradients reduced "
                                f"changed after the warm-up)")
-        buf.mul_(local).add_(m, alpha=self.beta1)
+        return m
 
-    def _update_momentum(self, buffers):
+    def _local_momentum(self, part, buf, local):
+        """buf (this rank's gradient) becomes its momentum b1 M + local x gradient."""
+        buf.mul_(local).add_(self._momentum_of(part, buf.numel()), alpha=self.beta1)
+
+    def _update_momentum(self, buffers, checked=None):
         """After the exchange: the warm-up's M follows the dense average; after it the
         mean momentum is M; a non-finite step leaves M as it was (the optimizer skips it:
-        DeepSpeed in the warm-up where it checks for overflow, FrozenVarianceAdam after)."""
-        if not all(bool(torch.isfinite(buf.sum())) for _, buf, _ in buffers):
+        DeepSpeed in the warm-up where it checks for overflow, FrozenVarianceAdam after).
+        ``buffers``: (tensors, their flat buffer or None: read the tensors, part);
+        ``checked``: the compressed part's finiteness as its compressor saw it (the
+        decoded scales), or None to check it here."""
+        def finite(tensors, buf, part):
+            if checked is not None and part[1] == "compressed":
+                return checked
+            return all(bool(torch.isfinite(t.sum())) for t in ([buf] if buf is not None else tensors))
+        if not all(finite(*b) for b in buffers):
             self.skipped = True
             return
-        if self.momentum_step:         # the mean becomes M; last step's M the next flat buffer
-            for _, buf, part in buffers:
-                self.momentum[part], self._buffers[part] = buf, self.momentum[part]
-            return
-        for _, buf, part in buffers:
+        for tensors, buf, part in buffers:
             m = self.momentum.get(part)
-            if m is None or m.numel() != buf.numel():
-                self.momentum[part] = buf.mul(1.0 - self.beta1)     # Adam's zero start
-            else:
-                m.mul_(self.beta1).add_(buf, alpha=1.0 - self.beta1)
+            numel = buf.numel() if buf is not None else sum(t.numel() for t in tensors)
+            if buf is not None and self.momentum_step:   # the mean becomes M; last step's M the next flat buffer
+                self.momentum[part], self._buffers[part] = buf, m
+                continue
+            fresh = m is None or m.numel() != numel
+            if fresh:
+                m = self.momentum[part] = torch.empty(numel, dtype=torch.float32, device=tensors[0].device)
+            offset = 0
+            for t in ([buf] if buf is not None else tensors):
+                mine, t = m[offset:offset + t.numel()], t.reshape(-1)
+                offset += t.numel()
+                if self.momentum_step:
+                    mine.copy_(t)
+                elif fresh:
+                    torch.mul(t, 1.0 - self.beta1, out=mine)           # Adam's zero start
+                else:
+                    mine.mul_(self.beta1).add_(t, alpha=1.0 - self.beta1)
 
     def _flat(self, key, tensors):
         """The tensors concatenated in fp32, in a buffer kept from the last step (a
@@ -223,37 +295,41 @@ class GradientReducer:
             offset += g.numel()
         return buf
 
-    def _chunks(self, comp, tensors, buf):
-        """(region, views): a contiguous slice of ``buf`` and what the compressor sees."""
-        if comp.splittable:       # chunk-sized regions; views: the pieces of tensors inside each
-            start, views = 0, []
-            offset = 0
+    def _chunks(self, comp, tensors):
+        """(offset, pieces): each chunk's start in the tensors laid end to end and its
+        pieces (tensor, first entry, entries); a splittable compressor's chunks are
+        ``chunk_numel`` entries cut anywhere, another's whole tensors up to about that."""
+        if comp.splittable:
+            start = offset = 0
+            pieces = []
             for g in tensors:
                 done = 0
                 while done < g.numel():
                     take = min(g.numel() - done, self.chunk_numel - (offset - start))
-                    views.append(buf[offset:offset + take])
+                    pieces.append((g, done, take))
                     offset, done = offset + take, done + take
                     if offset - start >= self.chunk_numel:
-                        yield buf[start:offset], views
-                        start, views = offset, []
-            if views:
-                yield buf[start:offset], views
+                        yield start, pieces
+                        start, pieces = offset, []
+            if pieces:
+                yield start, pieces
             return
-        start, offset, views = 0, 0, []
+        start, offset, pieces = 0, 0, []
         for g in tensors:
-            if views and offset + g.numel() - start > self.chunk_numel:
-                yield buf[start:offset], views
-                start, views = offset, []
-            views.append(buf[offset:offset + g.numel()].view(g.shape))
+            if pieces and offset + g.numel() - start > self.chunk_numel:
+                yield start, pieces
+                start, pieces = offset, []
+            pieces.append((g, 0, g.numel()))
             offset += g.numel()
-        if views:
-            yield buf[start:offset], views
+        if pieces:
+            yield start, pieces
 
-    def _chunk(self, comp, key, region, views, group, groups, index, scale):
+    def _chunk(self, comp, key, region, views, group, groups, index, scale, momentum=None):
         if groups is None or (groups.num_nodes == 1 and groups.local_size == 1):
-            yield from comp.exchange(key, region, views, group, scale)
+            yield from (comp.exchange(key, region, views, group, scale, momentum=momentum) if momentum is not None
+                        else comp.exchange(key, region, views, group, scale))
             return
+        assert momentum is None, "the hierarchy sums the node's momenta before the compressor"
         if groups.num_nodes == 1:        # one node: the links are fast, nothing to gain from compression
             yield from self.dense.exchange(key, region, [region], groups.intra_group, scale)
             return

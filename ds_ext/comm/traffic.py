@@ -109,14 +109,20 @@ def inter_node_bytes(compressor, *, nodes, per_node, hierarchical, chunk=CHUNK_N
 
 
 def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gradient", error_feedback=True,
-                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL):
+                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2):
     """{part: bytes} the compressed reduction keeps on one rank from step to step (the
     busiest rank of the group), for a gradient of ``numel`` fp32 entries reduced over
-    ``nodes`` x ``per_node`` ranks; ``matrices``: PowerSGD's (rows, cols). Empty for
-    ``none`` (DeepSpeed's own reduction)."""
+    ``nodes`` x ``per_node`` ranks in chunks of ``chunk`` entries, ``depth`` of them in
+    flight (``seekspeed.comm.pipeline_depth``); ``matrices``: PowerSGD's (rows, cols).
+    Empty for ``none`` (DeepSpeed's own reduction). The reducer reads and writes the
+    gradients DeepSpeed holds chunk by chunk, through a chunk-sized region per chunk in
+    flight (tensors under ``min_numel`` go dense through a flat buffer of their own,
+    not counted here)."""
     if compressor == "none":
         return {}
-    parts = {"reduction buffer": 4 * numel}
+    full, tail = divmod(numel, chunk)       # scratch is pooled by size: the last, shorter chunk has its own
+    region = min(depth, full) * chunk + tail
+    parts = {"chunk scratch": 4 * region}
     if target == "momentum":
         parts["local momentum"] = 4 * numel
     if hierarchical and nodes == 1:          # one node: the reducer goes dense
@@ -127,6 +133,10 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
         share = min(numel, math.ceil(chunks / per_node) * chunk) / numel if numel else 0.0
         group = nodes
     owned = share * numel
+    if compressor in TWO_PHASE:
+        # per chunk in flight: its encoded input (the next worker residual) and the
+        # segment's sum (the next server residual) and tail, from a pool
+        parts["chunk scratch"] += 4 * region * (1 + 2 / group)
     if compressor in ("int8", "int4", "sign") and error_feedback:
         parts["residual"] = 4 * owned
         if compressor in TWO_PHASE:

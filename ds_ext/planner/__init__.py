@@ -25,10 +25,11 @@ Memory per rank (bytes):
 - buffers: ZeRO's reduce bucket (``reduce_bucket_size`` fp32 elements) and a fixed
   reserve for the CUDA context, NCCL and allocator fragmentation;
 - comm state (``seekspeed.comm``, any compressor but ``none``): what the compressed
-  reduction keeps between steps, from ``ds_ext.comm.traffic.state_bytes``: the reducer's
-  flat fp32 copy of the gradient, the error-feedback residuals (full size, fp32; the
-  two-phase compressors' server residual 1/W of it), and with ``target: "momentum"`` a
-  full fp32 local momentum per rank (ZeRO 1 partitions only the optimizer's own).
+  reduction keeps between steps, from ``ds_ext.comm.traffic.state_bytes``: a pooled
+  chunk-sized region per chunk in flight (two-phase compressors: also the chunk's encoded
+  input and segment sums), the error-feedback residuals (full size, fp32; the two-phase
+  compressors' server residual 1/W of it), and with ``target: "momentum"`` a full fp32
+  local momentum per rank (ZeRO 1 partitions only the optimizer's own).
 
 Time per optimizer step: the simulator's makespan for per-chunk costs F (forward),
 B (backward: 2F, plus F recomputed under activation checkpointing), W (the weight

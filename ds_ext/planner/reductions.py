@@ -49,7 +49,7 @@ def _comm_state(comm, numel, members, *, hierarchical, matrices):
     return state_bytes(comm.compressor, numel=numel, nodes=len(per_node), per_node=max(per_node.values()),
                        hierarchical=hierarchical, target=comm.target, error_feedback=comm.error_feedback,
                        momentum=comm.momentum, matrices=_payload(comm)(matrices)[1], rank=comm.rank,
-                       chunk=chunk_numel(comm.chunk_mb))
+                       chunk=chunk_numel(comm.chunk_mb), depth=comm.pipeline_depth)
 
 
 def stage_reductions(m, hw, stages, stage_matrices, placement):
