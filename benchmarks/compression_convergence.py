@@ -8,10 +8,13 @@ The final loss (mean of the last 20 steps) of each is compared with the dense ru
 Runs (--runs): none (DeepSpeed's dense reduction), the gradient compressors (top-k 1 % with
 and without error feedback, PowerSGD, int8, int4, sign) and target momentum (1-bit Adam's
 scheme: the variance frozen after --momentum-warmup dense steps, the momentum sent through
-sign, int4 or top-k). --seeds runs each once per seed; rows carry run, seed, final_loss,
+sign, int4 or top-k; 0/1 Adam's variance schedule, ``var_update_scaler``, with no fixed
+warm-up). --seeds runs each once per seed; rows carry run, seed, final_loss,
 dense_final_loss (the same seed's dense run), bytes_per_step (sent per rank per step after
 the warm-up; DeepSpeed's dense: a ring all-reduce's), dense_bytes_per_step and
-run_bytes_per_step (warm-up included). About 1.5 minutes a run on 2 cores.
+run_bytes_per_step, bytes_total and dense_bytes_total (every step, dense warm-up and 0/1
+Adam's variance refreshes included; DeepSpeed's dense: a ring all-reduce's) and steps.
+About 1.5 minutes a run of 300 steps on 2 cores.
 
     python benchmarks/compression_convergence.py --seeds 0 1 2 --runs none int4-ef momentum-sign ... \
         --json benchmarks/results/compression_adamw.json
@@ -46,6 +49,13 @@ RUNS = {
     "momentum-sign": {"compressor": "sign", "target": "momentum"},
     "momentum-int4": {"compressor": "int4", "target": "momentum", "block_size": 256},
     "momentum-topk-1%": {"compressor": "topk", "ratio": 0.01, "target": "momentum"},
+    # 0/1 Adam's variance schedule on the momentum target (no fixed warm-up: the schedule
+    # starts dense): its kappa 16; kappa 4; kappa 1 (refreshes at the powers of two) with
+    # the variance frozen for good after step 64
+    "momentum-sign-01": {"compressor": "sign", "target": "momentum", "var_update_scaler": 16},
+    "momentum-sign-01-k4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 4},
+    "momentum-sign-01-k1-f64": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                "var_freeze_step": 64},
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
@@ -71,6 +81,8 @@ def run_one(name, comm, args, tmp):
         s["train"]["seed"] = args.seed
     s["train"]["log_interval"] = max(1, args.steps // 5)
     warmup = args.momentum_warmup if comm.get("target") == "momentum" else args.warmup
+    if "var_update_scaler" in comm:
+        warmup = 0
     s["comm"] = {**comm, "warmup_steps": warmup, "min_numel": args.min_numel}
     path = os.path.join(tmp, f"{name}.json")
     with open(path, "w") as f:
@@ -91,9 +103,12 @@ def run_one(name, comm, args, tmp):
     row = {"name": name, "comm": comm, "seed": s["train"]["seed"], "final_loss": statistics.mean(losses[-tail:]),
            "first_loss": losses[0], "losses": losses, "tokens_per_s": out.get("steady_tokens_per_s"),
            "warmup_steps": s["comm"]["warmup_steps"] if comm["compressor"] != "none" else 0}
+    row["steps"] = len(losses)
     if "comm" in out:
         ranks = out["comm"]["per_rank_mean_per_step"]
         row["wire_mb_per_step"] = statistics.mean(r["wire_bytes"] for r in ranks) / 1e6
+        # every step's bytes, the dense ones (warm-up, refreshes) through the same path included
+        row["bytes_total"] = statistics.mean(r["wire_bytes"] for r in out["comm"]["per_rank_total"])
         row["compress_ms_per_step"] = statistics.mean(r["compress_s"] + r["decompress_s"] for r in ranks) * 1e3
     return row
 
@@ -135,8 +150,8 @@ def main(argv=None):
     print(f"\ntiny recipe, {args.ranks} data-parallel ranks, {args.steps} steps, micro-batch {args.micro_batch} x "
           f"{args.grad_accum} accumulation x {args.seq_len} tokens, {opt}; final loss = mean of the last 20 steps; "
           f"bytes: sent per rank per step after the warm-up (dense fp32 ring: {dense_mb:.3f} MB)")
-    print(f"{'run':<18} {'seed':>4} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'x fewer':>7} "
-          f"{'run avg MB':>10} {'compress ms':>11}")
+    print(f"{'run':<24} {'seed':>4} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'x fewer':>7} "
+          f"{'run avg MB':>10} {'run x fewer':>11} {'compress ms':>11}")
     for r in rows:
         dense = next((d for d in rows if d["run"] == "none" and d["seed"] == r["seed"]), None)
         r["dense_final_loss"] = dense["final_loss"] if dense else None
@@ -145,16 +160,18 @@ def main(argv=None):
         r["dense_bytes_per_step"] = dense_mb * 1e6
         sent = r.get("wire_mb_per_step", dense_mb)          # DeepSpeed's own: the ring's bytes
         r["bytes_per_step"] = sent * 1e6
-        w = r["warmup_steps"]
-        r["run_bytes_per_step"] = (w * dense_mb + (args.steps - w) * sent) / args.steps * 1e6
+        r["dense_bytes_total"] = dense_mb * 1e6 * r["steps"]
+        r.setdefault("bytes_total", r["dense_bytes_total"])      # DeepSpeed's own reduction: the ring's
+        r["run_bytes_per_step"] = r["bytes_total"] / r["steps"]
         ms = f"{r['compress_ms_per_step']:.1f}" if "compress_ms_per_step" in r else "-"
-        print(f"{r['run']:<18} {str(r['seed']):>4} {r['final_loss']:10.4f} {rel:+8.2f}% {sent:12.3f} "
-              f"{dense_mb / sent:7.1f} {r['run_bytes_per_step'] / 1e6:10.3f} {ms:>11}")
+        print(f"{r['run']:<24} {str(r['seed']):>4} {r['final_loss']:10.4f} {rel:+8.2f}% {sent:12.3f} "
+              f"{dense_mb / sent:7.1f} {r['run_bytes_per_step'] / 1e6:10.3f} "
+              f"{r['dense_bytes_total'] / r['bytes_total']:11.1f} {ms:>11}")
     if len(seeds) > 1:
-        print(f"\n{'run':<18} {'mean vs dense':>13} {'min':>8} {'max':>8}  over seeds {seeds}")
+        print(f"\n{'run':<24} {'mean vs dense':>13} {'min':>8} {'max':>8}  over seeds {seeds}")
         for name in args.runs:
             rel = [r["vs_dense_pct"] for r in rows if r["run"] == name]
-            print(f"{name:<18} {statistics.mean(rel):+12.2f}% {min(rel):+7.2f}% {max(rel):+7.2f}%")
+            print(f"{name:<24} {statistics.mean(rel):+12.2f}% {min(rel):+7.2f}% {max(rel):+7.2f}%")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -276,6 +276,12 @@ class CommSection:
     # all lossy compressors
     error_feedback: bool = True
     warmup_steps: int = 0           # dense optimizer steps before compressing
+    # target momentum: 0/1 Adam's variance schedule (Lu et al. 2022; DeepSpeed's ZeroOneAdam
+    # names). var_update_scaler (its kappa; 16 there): the variance is refreshed by a dense step
+    # every interval-th step, the interval starting at 1 and doubling after every kappa
+    # refreshes, until var_freeze_step; null: frozen for good after warmup_steps (1-bit Adam)
+    var_update_scaler: int | None = None
+    var_freeze_step: int = 100000
     min_numel: int = 16384          # smaller tensors go dense
     # parameter-name patterns (fnmatch) reduced dense whatever the compressor; unset: the
     # compressor's own list (powersgd: the embedding and output head, whose gradients are
@@ -312,13 +318,25 @@ class CommSection:
             if self.compressor == "none":
                 raise ConfigError(f"{where}.target 'momentum' needs a compressor (sign, int4, int8, topk, powersgd, or "
                                   f"fp32 for the dense reference); compressor 'none' is DeepSpeed's own reduction")
-            if self.warmup_steps < 1:
+            if self.warmup_steps < 1 and self.var_update_scaler is None:
                 raise ConfigError(f"{where}.target 'momentum' freezes Adam's second moment after warmup_steps dense "
                                   f"steps, and warmup_steps is {self.warmup_steps}: a variance from no gradients is "
-                                  f"zero; set warmup_steps >= 1 (1-bit Adam warms up for 15-25 % of training)")
+                                  f"zero; set warmup_steps >= 1 (1-bit Adam warms up for 15-25 % of training), or "
+                                  f"var_update_scaler (0/1 Adam's schedule, which starts with dense steps)")
             if self.momentum > 0:
                 raise ConfigError(f"{where}.momentum (DGC's correction) and target 'momentum' both keep a momentum; "
                                   f"set momentum 0 (Adam's own momentum is the one sent)")
+        if self.var_update_scaler is not None:
+            if self.target != "momentum":
+                raise ConfigError(f"{where}.var_update_scaler refreshes Adam's frozen variance, which only target "
+                                  f"'momentum' freezes; set target 'momentum' or remove var_update_scaler")
+            if self.var_update_scaler < 1:
+                raise ConfigError(f"{where}.var_update_scaler {self.var_update_scaler}: the refresh interval doubles "
+                                  f"after every var_update_scaler refreshes, so it must be >= 1 (0/1 Adam: 16); "
+                                  f"remove it to freeze the variance after warmup_steps")
+            if self.var_freeze_step < 1:
+                raise ConfigError(f"{where}.var_freeze_step {self.var_freeze_step}: the last step the variance may be "
+                                  f"refreshed at must be >= 1 (0/1 Adam: the end of the lr warm-up)")
         if not 0 < self.ratio <= 1:
             raise ConfigError(f"{where}.ratio must be in (0, 1] (the fraction of entries top-k keeps), "
                               f"got {self.ratio}")

@@ -88,14 +88,17 @@ class StepMetrics:
 
     def comm_summary(self):
         """Per-rank means over the steps after warm-up of the compressed reduction's
-        counters (collective); None when no step reduced compressed."""
+        counters, and their totals over every step (dense ones included: the warm-up,
+        0/1 Adam's refreshes); collective; None when no step reduced compressed."""
         if not self.comm_steps:
             return None
         after = self.comm_steps[self.comm.warmup_steps:] or self.comm_steps
         mine = {k: sum(st[k] for st in after) / len(after) for k in after[0]}
         ranks = self.control.gather(mine)
+        totals = self.control.gather({k: sum(st[k] for st in self.comm_steps) for k in after[0]})
         return {"compressor": self.comm.compressor, "hierarchical": self.comm.hierarchical,
-                "steps_averaged": len(after), "per_rank_mean_per_step": ranks}
+                "steps_averaged": len(after), "per_rank_mean_per_step": ranks,
+                "steps_total": len(self.comm_steps), "per_rank_total": totals}
 
     def layer_loss_summary(self):
         """The last logged step's in-layer losses (RecipeSpec.layer_losses); None without."""

@@ -160,6 +160,47 @@ def test_momentum_mode_in_the_engine(case):
                 np.testing.assert_array_equal(step_a[name], step_b[name], err_msg=name)
 
 
+def test_zero_one_adam_refresh_steps_follow_its_rule():
+    """0/1 Adam's variance schedule (DeepSpeed's ZeroOneAdam): a refresh at every multiple
+    of the interval, which starts at 1 and doubles after every kappa refreshes; none
+    after var_freeze_step. With kappa 4: 1-4, then every 2nd to 12, every 4th to 28, every
+    8th to 56; kappa 1: the powers of two."""
+    from ds_ext.comm.reducer import is_refresh_step
+    def steps(kappa, until, last=64):
+        return [s for s in range(1, last + 1) if is_refresh_step(s, kappa=kappa, until=until)]
+    assert steps(4, 1000) == [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert steps(4, 30) == [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28]
+    assert steps(1, 1000) == [1, 2, 4, 8, 16, 32, 64]
+
+
+ZERO_ONE = {"compressor": "sign", "target": "momentum", "warmup_steps": 0, "var_update_scaler": 1, "min_numel": 256}
+
+
+def _zero_one_run(kw, comm=ZERO_ONE):
+    return _engine_run(comm, **kw)
+
+
+@pytest.mark.multirank
+def test_zero_one_adam_refreshes_the_variance_on_its_schedule():
+    """ZeRO 1 fp32, 2 replicas, no warm-up, kappa 1 (refreshes at steps 1, 2, 4 of 6): the
+    variance changes on exactly those steps (the first two DeepSpeed's own Adam steps,
+    step 4 FrozenVarianceAdam's refresh with the momentum's step count) and is bitwise
+    frozen on the others; the replicas stay bitwise equal; the losses stay within 5 % of
+    DeepSpeed's dense run (a behavioural check; the benchmark measures convergence)."""
+    kw = dict(zero=1, precision="fp32", stages=1, steps=6, schedule="1f1b", overrides={})
+    results = run_ranks(_zero_one_run, world_size=2, args=(kw,), timeout=240)
+    dense = run_ranks(_zero_one_run, world_size=2, args=(kw, None), timeout=240)[0]
+    for r in results:
+        v = r["variances"]
+        changed = [step + 1 for step in range(1, 6)
+                   if any(not np.array_equal(a, b) for a, b in zip(v[step], v[step - 1]))]
+        assert changed == [2, 4], changed
+        np.testing.assert_allclose(r["losses"], dense["losses"], rtol=0.05)
+        assert all(np.isfinite(r["losses"]))
+    for name, want in results[0]["states"][-1].items():
+        np.testing.assert_array_equal(results[1]["states"][-1][name], want, err_msg=name)
+
+
 def _clipped_and_poisoned(kw):
     return _engine_run(SIGN, clip=1e-3, poison_step=3, **kw)
 
@@ -217,6 +258,11 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
     ({"compressor": "topk", "target": "momentum", "warmup_steps": 5, "momentum": 0.9}, r"set momentum 0"),
     ({"compressor": "sign", "block_size": 100}, r"multiple of 8"),
     ({"target": "moment"}, r"target 'moment' is not one of"),
+    ({"compressor": "sign", "var_update_scaler": 16}, r"var_update_scaler refreshes Adam's frozen variance, which only "
+                                                      r"target 'momentum' freezes"),
+    ({"compressor": "sign", "target": "momentum", "var_update_scaler": 0}, r"var_update_scaler 0: .* must be >= 1"),
+    ({"compressor": "sign", "target": "momentum", "var_update_scaler": 4, "var_freeze_step": 0},
+     r"var_freeze_step 0: .* must be >= 1"),
 ])
 def test_bad_momentum_settings_are_one_line_errors(raw, match):
     from ds_ext.config import SeekspeedSection

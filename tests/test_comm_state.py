@@ -193,8 +193,11 @@ def test_resume_loads_restarts_or_drops():
 COMM_CASES = {
     "topk-sampled-error-feedback": TOPK | {"warmup_steps": 1, "min_numel": 2048},
     # the momentum (the reducer's M), sign's worker and server residuals; the frozen
-    # variance and its step count are in DeepSpeed's optimizer state
-    "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "min_numel": 2048},
+    # variance and its step count are in DeepSpeed's optimizer state; 0/1 Adam's refreshes
+    # (kappa 1: steps 1, 2 and 4, the last after a momentum step, so after the resume at 2)
+    # follow from the reducer's step count
+    "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "var_update_scaler": 1,
+                      "min_numel": 2048},
 }
 # (case, engine) resumed: top-k with both engines, the momentum mode with the asynchronous one
 RESUMES = [("topk-sampled-error-feedback", "deepspeed"), ("topk-sampled-error-feedback", "async-zstd"),

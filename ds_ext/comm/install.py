@@ -165,8 +165,13 @@ class FrozenVarianceAdam:
     would throw it by lr |m'| / eps (measured: a 10-step warm-up then ended +95 % behind
     dense AdamW, the loss jumping back to 3.3 within 5 steps of the freeze). Before and
     during the warm-up, and on steps the reducer sent dense, the optimizer's own step
-    runs. A step whose momentum is non-finite on any rank changes nothing (counted in
-    ``skipped_steps``); DeepSpeed's lr schedule still advances."""
+    runs, but for 0/1 Adam's variance refreshes after the first momentum step
+    (``var_update_scaler``): there the dense gradient g updates both moments here, v <- b2 v
+    + (1 - b2) g^2 (T + 1) and m <- b1 m + (1 - b1) g, and the update is the one above with
+    the momentum's step count t (the optimizer's own bias correction would use T, a few
+    steps, and scale the step by 1 / (1 - b1^T)). A step whose momentum or gradient is
+    non-finite on any rank changes nothing (counted in ``skipped_steps``); DeepSpeed's lr
+    schedule still advances."""
 
     def __init__(self, optimizer, reducer):
         self.optimizer, self.reducer = optimizer, reducer
@@ -181,7 +186,8 @@ class FrozenVarianceAdam:
     @torch.no_grad()
     def step(self, closure=None):
         reducer = self.reducer
-        if not reducer.sent_momentum:
+        refresh = getattr(reducer, "refreshed", False)
+        if not reducer.sent_momentum and not refresh:
             return self.dense_step() if closure is None else self.dense_step(closure)
         if reducer.skipped:
             self.skipped_steps += 1
@@ -198,11 +204,21 @@ class FrozenVarianceAdam:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             corrected = group.get("bias_correction", True)
             frozen = max(self.variance_steps(st) for st in states)
+            if refresh:
+                frozen += 1
+                for p, st in zip(params, states):
+                    st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                    st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+                    if torch.is_tensor(st["step"]):
+                        st["step"].fill_(frozen)
+                    else:
+                        st["step"] = frozen
             bc1 = 1.0 - beta1 ** reducer.steps if corrected else 1.0
             bc2 = math.sqrt(1.0 - beta2 ** frozen) if corrected else 1.0
             for p, st in zip(params, states):
                 m = st["exp_avg"]
-                m.copy_(p.grad)
+                if not refresh:
+                    m.copy_(p.grad)
                 denom = st["exp_avg_sq"].sqrt().div_(bc2).add_(eps)
                 # where the momentum outgrew the frozen variance (a coordinate quiet in the
                 # warm-up, an embedding row first seen after it) the step is at most lr

@@ -33,6 +33,7 @@ Every rank issues the same collectives in the same order per group (ranks that s
 a chunk's inter-node phase issue placeholders), so the FIFO driver cannot deadlock.
 """
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field, asdict
@@ -77,6 +78,31 @@ def _wire_bytes(req, world):
     return (world - 1) / world * size     # all-to-all, broadcast: each rank sends (or forwards) all but its share
 
 
+@functools.lru_cache(maxsize=64)
+def refresh_steps(kappa, until, last):
+    """0/1 Adam's variance refresh steps (1-based optimizer steps) up to ``last``: a
+    refresh at every multiple of the interval, which starts at 1 and doubles after every
+    ``kappa`` refreshes; none after ``until`` (var_freeze_step)."""
+    out, interval, count = [], 1, 0
+    step = 1
+    while step <= min(last, until):
+        if step % interval == 0:
+            out.append(step)
+            count += 1
+            if count == kappa:
+                count, interval = 0, interval * 2
+        step += 1
+    return frozenset(out)
+
+
+def is_refresh_step(step, *, kappa, until):
+    """Whether optimizer step ``step`` (1-based) refreshes the variance."""
+    if step > until:
+        return False
+    horizon = 1 << max(step - 1, 1).bit_length()          # refresh sets cached per power of two
+    return step in refresh_steps(kappa, until, horizon)
+
+
 class GradientReducer:
 
     def __init__(self, section, *, node_groups=None, spans_nodes=None, node_of=None, seed=0):
@@ -99,15 +125,20 @@ class GradientReducer:
         self.beta1 = None
         self.momentum = {}
         self.sent_momentum = False
+        self.refreshed = False
         self.skipped = False
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
-        self.stats = ReduceStats(dense="warm-up" if self.warming_up else "")
+        self.stats = ReduceStats(dense="warm-up" if self.warming_up else "refresh" if self.refreshing else "")
         self.skipped = False
 
     def end_step(self):
         self.sent_momentum = self.momentum_step      # what the optimizer step after it is to do
+        # a dense step after momentum steps: 0/1 Adam's variance refresh, which the
+        # optimizer step takes with the momentum's step count (install.FrozenVarianceAdam)
+        self.refreshed = (self.section.target == "momentum" and not self.sent_momentum
+                          and self.steps + 1 > self.first_momentum_step)
         self.steps += 1
         self.last = self.stats
         return self.stats
@@ -117,9 +148,30 @@ class GradientReducer:
         return self.steps < self.section.warmup_steps
 
     @property
+    def refreshing(self):
+        """This step is one of 0/1 Adam's variance refreshes (``var_update_scaler``): dense."""
+        kappa = self.section.var_update_scaler
+        return kappa is not None and is_refresh_step(self.steps + 1, kappa=kappa, until=self.section.var_freeze_step)
+
+    @functools.cached_property
+    def first_momentum_step(self):
+        """The first (1-based) step that sends momentum: after the warm-up and the
+        refreshes that follow it without a gap."""
+        step = self.section.warmup_steps + 1
+        kappa = self.section.var_update_scaler
+        while kappa is not None and is_refresh_step(step, kappa=kappa, until=self.section.var_freeze_step):
+            step += 1
+        return step
+
+    @property
+    def dense_now(self):
+        """This step reduces dense: the warm-up, or a variance refresh."""
+        return self.warming_up or self.refreshing
+
+    @property
     def momentum_step(self):
-        """This step sends momentum (target momentum, after the warm-up)."""
-        return self.section.target == "momentum" and not self.warming_up
+        """This step sends momentum (target momentum, outside the warm-up and the refreshes)."""
+        return self.section.target == "momentum" and not self.dense_now
 
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
@@ -147,7 +199,7 @@ class GradientReducer:
         as long as that work leaves ``grads`` alone."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
-        comp = self.dense if self.warming_up else self.compressor
+        comp = self.dense if self.dense_now else self.compressor
         grads = [g for g in grads if g.numel()]
         big = [g for g in grads
                if id(g) not in dense and g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]
