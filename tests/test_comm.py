@@ -519,3 +519,51 @@ def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target):
     for r in ranks:
         assert r["dense_buffers"] == 0
         assert planned - 4 * depth * 2 * chunk / world <= r["held"] <= planned + padding, (r["held"], planned, padding)
+
+
+def _fused_momentum_rank(dtype):
+    """4 steps of target momentum through sign (2 dense warm-up steps, then momentum),
+    counting the codec's momentum encodings; returns the calls, the chunks, M and the
+    gradients after the last step."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    world = tdist.get_world_size()
+    reducer = GradientReducer(_section(compressor="sign", target="momentum", warmup_steps=2, min_numel=1000,
+                                       chunk_mb=0.125, pipeline_depth=2), node_of=[0] * world)
+    reducer.beta1 = 0.9
+    codec, calls = reducer.compressor.codec, []
+    encode_momentum = codec.encode_momentum
+
+    def counted(*a, **kw):
+        calls.append(reducer.steps)
+        return encode_momentum(*a, **kw)
+    codec.encode_momentum = counted
+    shapes = [(256, 300), (5000,), (300, 257)]
+    for step in range(4):
+        grads = [g.to(dtype) for g in _grads(tdist.get_rank(), shapes, seed=step)]
+        reducer.begin_step()
+        reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+        reducer.end_step()
+    chunks = math.ceil(sum(math.prod(s) for s in shapes) / reducer.chunk_numel)
+    m = reducer.momentum[("dense", "compressed")]
+    return {"calls": calls, "chunks": chunks, "m_dtype": str(m.dtype), "grad_dtype": str(grads[0].dtype),
+            "m": m.clone(), "grads": torch.cat([g.reshape(-1).float() for g in grads])}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_momentum_is_formed_in_the_codecs_pass_and_kept_in_fp32(dtype):
+    """With target momentum the two-phase compressor forms b1 M + (1 - b1) x g in its
+    encoding pass (one encode_momentum a chunk on each momentum step, none in the dense
+    warm-up), and M stays fp32 when the gradients are bf16: the gradients get the mean
+    momentum rounded to their dtype, M keeps it unrounded (bf16's 8 bits of mantissa
+    would otherwise be what the next step's momentum starts from)."""
+    from ds_ext.comm.compressors import TwoPhase
+    assert TwoPhase.fuses_momentum
+    for r in run_ranks(_fused_momentum_rank, world_size=2, args=(dtype,)):
+        assert r["calls"] == [2] * r["chunks"] + [3] * r["chunks"], r["calls"]
+        assert r["m_dtype"] == "torch.float32" and r["grad_dtype"] == str(dtype)
+        m, grads = torch.as_tensor(r["m"]), torch.as_tensor(r["grads"])
+        torch.testing.assert_close(grads, m.to(dtype).float(), rtol=0, atol=0)
+        if dtype == torch.bfloat16:
+            assert (m != m.to(dtype).float()).float().mean() > 0.5     # M holds more than bf16 does

@@ -42,17 +42,27 @@ class Collective:
 
 class ScratchPool:
     """fp32 buffers by size, handed out and given back: the chunks in flight use as
-    many as are in flight at once."""
+    many as are in flight at once. ``per_size`` bounds the buffers kept of one size and
+    ``sizes`` the sizes kept (the least recently given back goes first), so a layout
+    that changes from call to call (another chunk length, another tail) cannot make it
+    grow: a buffer given back beyond the bounds is dropped, and the next take allocates."""
 
-    def __init__(self):
+    def __init__(self, per_size=None, sizes=None):
         self.free = {}
+        self.per_size, self.sizes = per_size, sizes
 
     def take(self, numel, device):
         stack = self.free.get((numel, device))
         return stack.pop() if stack else torch.empty(numel, dtype=torch.float32, device=device)
 
     def give(self, buf):
-        self.free.setdefault((buf.numel(), buf.device), []).append(buf)
+        key = (buf.numel(), buf.device)
+        stack = self.free.pop(key, [])
+        self.free[key] = stack          # most recently given back last
+        if self.per_size is None or len(stack) < self.per_size:
+            stack.append(buf)
+        while self.sizes is not None and len(self.free) > self.sizes:
+            del self.free[next(iter(self.free))]
 
     def bytes(self):
         return sum(b.numel() * b.element_size() for stack in self.free.values() for b in stack)
@@ -471,13 +481,19 @@ class TwoPhase:
     server: of its segment's sum)."""
     phases = 2
     splittable = True
+    # with target momentum the reducer hands over the gradient, M and the factors, and the
+    # codec forms the momentum in its encoding pass (``exchange(momentum=...)``)
+    fuses_momentum = True
+    # per chunk in flight: the encoded input, the decoded sum and the tail segment, and the
+    # committed residuals handed back; 8 of a size covers 2 chunks in flight with room
+    POOL_PER_SIZE, POOL_SIZES = 8, 8
 
     def __init__(self, codec, *, block_size=256, error_feedback=True):
         self.codec, self.block_size, self.error_feedback = codec, block_size, error_feedback
         self.state = {}
         # this step's residuals and scratch, from buffers the chunks before gave back (a
         # fresh gradient-sized allocation costs its page faults; one set per chunk in flight)
-        self.pool = ScratchPool()
+        self.pool = ScratchPool(per_size=self.POOL_PER_SIZE, sizes=self.POOL_SIZES)
         self.finite = {}        # key: whether its last exchange was finite (a non-finite one poisons the region)
 
     def wants(self, shape):

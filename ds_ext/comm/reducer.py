@@ -117,7 +117,9 @@ class GradientReducer:
         self.chunk_numel = max(1, int(section.chunk_mb * 2 ** 20 / 4))
         self.steps = 0
         self._buffers = {}
-        self._scratch = ScratchPool()     # chunk-sized regions, as many as chunks in flight
+        # chunk-sized regions: the chunks on the wire and the one being compressed, of the
+        # chunk length and a few tail lengths
+        self._scratch = ScratchPool(per_size=max(1, section.pipeline_depth) + 1, sizes=4)
         self.stats = ReduceStats()
         self.last = None
         # target "momentum": Adam's beta1 (set by install), M per (key, part), whether the
@@ -227,6 +229,14 @@ class GradientReducer:
             # momentum in its encoding's pass: b1 M rides along with each chunk
             fuse = sending and groups is None and getattr(comp, "fuses_momentum", False)
             m = self._momentum_of(part, numel) if sending else None
+            # the mean momentum is the next M, kept in fp32: read back from the gradients
+            # when they are fp32, else each chunk's region copied into an fp32 buffer
+            result = None
+            if sending and any(g.dtype != torch.float32 for g in big):
+                result = self._buffers.get((part, "next"))
+                if result is None or result.numel() != numel:
+                    result = self._buffers[(part, "next")] = torch.empty(numel, dtype=torch.float32,
+                                                                        device=big[0].device)
             if comp is self.dense:
                 self.stats.dense_numel += numel
             else:
@@ -234,7 +244,8 @@ class GradientReducer:
             for c, (at, pieces) in enumerate(self._chunks(comp, big)):
                 mom = None
                 if sending:
-                    mom = (m[at:at + sum(n for _, _, n in pieces)], local, self.beta1, fuse)
+                    span = slice(at, at + sum(n for _, _, n in pieces))
+                    mom = (m[span], local, self.beta1, fuse, None if result is None else result[span])
                 tasks.append(self._chunk_task(comp, (key, c), pieces, group, groups, c, scale, momentum=mom))
                 if fuse:
                     fused.append((key, c))
@@ -243,10 +254,10 @@ class GradientReducer:
             checked = all(comp.finite[k] for k in fused)
         if self.section.target == "momentum":
             if big:
-                buffers.append((big, None, (key, "compressed")))
+                buffers.append((big, result, (key, "compressed")))
             self._update_momentum(buffers, checked=checked)
-        for tensors, buf, _ in buffers:
-            if buf is None:
+        for tensors, buf, part in buffers:
+            if buf is None or part[1] == "compressed":      # the chunks wrote their averages back
                 continue
             offset = 0
             for g in tensors:
@@ -270,14 +281,16 @@ class GradientReducer:
                 region[offset:offset + n].copy_(g.view(-1)[lo:lo + n])
                 views.append(region[offset:offset + n])
             offset += n
-        mom = None
+        mom, result = None, None
         if momentum is not None:
-            m, local, beta1, fuse = momentum
+            m, local, beta1, fuse, result = momentum
             if fuse:
                 mom = (m, local, beta1)
             else:
                 region.mul_(local).add_(m, alpha=beta1)
         yield from self._chunk(comp, key, region, views, group, groups, index, scale, momentum=mom)
+        if result is not None:
+            result.copy_(region)
         offset = 0
         for g, lo, n in pieces:
             if n == g.numel():
@@ -306,18 +319,19 @@ class GradientReducer:
         ``buffers``: (tensors, their flat buffer or None: read the tensors, part);
         ``checked``: the compressed part's finiteness as its compressor saw it (the
         decoded scales), or None to check it here."""
-        def finite(tensors, buf, part):
-            if checked is not None and part[1] == "compressed":
-                return checked
-            return all(bool(torch.isfinite(t.sum())) for t in ([buf] if buf is not None else tensors))
-        if not all(finite(*b) for b in buffers):
+        sums = [t.sum(dtype=torch.float32) for tensors, buf, part in buffers
+                if checked is None or part[1] != "compressed" for t in ([buf] if buf is not None else tensors)]
+        # one sum a tensor, one host sync for them all (an overflowing sum is a step worth skipping)
+        finite = checked is not False and (not sums or bool(torch.isfinite(torch.stack(sums)).all()))
+        if not finite:
             self.skipped = True
             return
         for tensors, buf, part in buffers:
             m = self.momentum.get(part)
             numel = buf.numel() if buf is not None else sum(t.numel() for t in tensors)
-            if buf is not None and self.momentum_step:   # the mean becomes M; last step's M the next flat buffer
-                self.momentum[part], self._buffers[part] = buf, m
+            if buf is not None and self.momentum_step:   # the mean becomes M; last step's M the next buffer
+                self.momentum[part] = buf
+                self._buffers[part if part[1] == "dense" else (part, "next")] = m
                 continue
             fresh = m is None or m.numel() != numel
             if fresh:

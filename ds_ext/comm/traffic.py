@@ -109,7 +109,7 @@ def inter_node_bytes(compressor, *, nodes, per_node, hierarchical, chunk=CHUNK_N
 
 
 def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gradient", error_feedback=True,
-                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2):
+                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2, grad_bytes=4):
     """{part: bytes} the compressed reduction keeps on one rank from step to step (the
     busiest rank of the group), for a gradient of ``numel`` fp32 entries reduced over
     ``nodes`` x ``per_node`` ranks in chunks of ``chunk`` entries, ``depth`` of them in
@@ -117,7 +117,9 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     Empty for ``none`` (DeepSpeed's own reduction). The reducer reads and writes the
     gradients DeepSpeed holds chunk by chunk, through a chunk-sized region per chunk in
     flight (tensors under ``min_numel`` go dense through a flat buffer of their own,
-    not counted here)."""
+    not counted here). ``grad_bytes``: the gradients' element size; with target momentum
+    and 16-bit gradients the mean momentum is also kept in an fp32 buffer of its own (the
+    next M: the gradients hold it rounded)."""
     if compressor == "none":
         return {}
     full, tail = divmod(numel, chunk)       # scratch is pooled by size: the last, shorter chunk has its own
@@ -125,6 +127,8 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     parts = {"chunk scratch": 4 * region}
     if target == "momentum":
         parts["local momentum"] = 4 * numel
+        if grad_bytes != 4:
+            parts["next momentum"] = 4 * numel
     if hierarchical and nodes == 1:          # one node: the reducer goes dense
         return parts
     share, group = 1.0, nodes * per_node

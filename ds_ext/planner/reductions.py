@@ -42,14 +42,14 @@ def _payload(comm):
     return of
 
 
-def _comm_state(comm, numel, members, *, hierarchical, matrices):
+def _comm_state(comm, numel, members, *, hierarchical, matrices, grad_bytes):
     """What the compressed reduction of one group keeps between steps (ds_ext.comm.traffic.state_bytes)."""
     from ds_ext.comm.traffic import chunk_numel, state_bytes
     per_node = _per_node(members)
     return state_bytes(comm.compressor, numel=numel, nodes=len(per_node), per_node=max(per_node.values()),
                        hierarchical=hierarchical, target=comm.target, error_feedback=comm.error_feedback,
                        momentum=comm.momentum, matrices=_payload(comm)(matrices)[1], rank=comm.rank,
-                       chunk=chunk_numel(comm.chunk_mb), depth=comm.pipeline_depth)
+                       chunk=chunk_numel(comm.chunk_mb), depth=comm.pipeline_depth, grad_bytes=grad_bytes)
 
 
 def stage_reductions(m, hw, stages, stage_matrices, placement):
@@ -71,7 +71,8 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
             one = dp_group(numel=numel, grad_bytes=m.precision.reduce, members=members, hw=hw,
                            compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0])
             g = one if g is None else {k: g[k] + one[k] for k in g}
-            for name, b in _comm_state(comm, numel, members, hierarchical=hier, matrices=matrices).items():
+            for name, b in _comm_state(comm, numel, members, hierarchical=hier, matrices=matrices,
+                                         grad_bytes=m.precision.grad).items():
                 kept_state[name] = kept_state.get(name, 0.0) + b
         reductions.append(g)
         st.comm_state_parts, st.comm_state = kept_state, float(sum(kept_state.values()))
