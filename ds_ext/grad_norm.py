@@ -15,7 +15,8 @@ Squares of fp32/bf16/fp16 values are exact in fp64 (at most 48 significant bits)
 ``LIMBS`` limbs of ``LIMB_BITS`` bits keep everything down to 2**(E - 96), so what
 is dropped is under (elements) x 2**-94 of the squared norm: below 2**-50 of it for
 any model under 2**44 elements, far under fp32's 2**-24. A limb above them (units of
-2**E) takes the carries, so no sum overflows int64 below 2**63 elements. The integers are
+2**E) takes the carries (normalised after every 2**22 elements), so no sum overflows
+int64 below 2**63 elements. The integers are
 summed with DeepSpeed's own groups (ZeRO: the data-parallel then the model-parallel
 group; the BF16 optimizer: model-parallel, and each expert group's expert-parallel
 group, each rank counting its share of the gradients its data-parallel group holds
@@ -84,7 +85,8 @@ def square_limbs(tensors, *, exponent, scale=1.0, device):
             whole = torch.floor(frac)
             limbs[k] += whole.sum().to(torch.int64)   # integers below 2**46: the fp64 sum is exact
             frac = frac - whole
-    return normalise(limbs)
+        normalise(limbs)        # each piece adds under 2**46 to a limb below 2**24: no int64 overflow
+    return limbs
 
 
 def normalise(limbs):
@@ -115,13 +117,13 @@ class ExactNorm:
     def __call__(self, parts):
         """The L2 norm (Python float, rounded to fp32) of every part's elements, or
         ``inf`` when any element anywhere is inf or NaN."""
-        heads = []
-        for tensors, scale, groups in parts:
-            head = max_abs(tensors, scale=scale, device=self.device)
-            for group in groups:
-                dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-            heads.append(head)
-        top = torch.stack(heads).amax(dim=0) if heads else torch.zeros(2, dtype=torch.float64)
+        # E from the largest element over every rank (one MAX over the world): a function
+        # of the gradients alone, so every layout cuts the squares at the same place
+        top = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for tensors, scale, _ in parts:
+            top = torch.maximum(top, max_abs(tensors, scale=scale, device=self.device))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
         if float(top[1]) > 0:
             return float("inf")
         if float(top[0]) == 0.0:
@@ -237,8 +239,8 @@ def check_grad_norm(ds, section, *, zero):
     if zero not in (1, 2) and not (zero == 0 and bf16):
         raise ConfigError(f"seekspeed.grad_norm 'exact' with ZeRO stage {zero} and "
                           f"{'fp16' if ds.get('fp16', {}).get('enabled', False) else 'fp32'} weights: it replaces the "
-                          f"norm of DeepSpeed's ZeRO stage 1/2 and BF16 optimizers; set zero_optimization.stage 1, "
-                          f"or grad_norm 'deepspeed'")
+                          f"norm of DeepSpeed's ZeRO stage 1/2 and BF16 optimizers; set zero_optimization.stage 1 "
+                          f"(or bf16.enabled with stage 0), or grad_norm 'deepspeed'")
     offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if offload not in (None, "none"):
         raise ConfigError(f"seekspeed.grad_norm 'exact' with zero_optimization.offload_optimizer.device {offload!r}: "

@@ -430,7 +430,7 @@ def test_exact_grad_norm_loads_or_is_refused_in_one_line_for_every_shipped_confi
     cfg["bf16"] = {"enabled": False}
     cfg.pop("data_types", None)
     for section, pattern in (({}, r"^seekspeed\.grad_norm 'exact' with ZeRO stage 0 and fp32 weights: .*set "
-                                  r"zero_optimization\.stage 1, or grad_norm 'deepspeed'$"),
+                                  r"zero_optimization\.stage 1 \(or bf16\.enabled with stage 0\), or grad_norm 'deepspeed'$"),
                              ({"grad_norm": "fast"}, r"^seekspeed\.grad_norm 'fast' is not one of \['deepspeed', "
                                                      r"'exact'\]$")):
         cfg["seekspeed"].update(section)
