@@ -34,11 +34,13 @@ def newton_schulz_flops(rows, cols):
 def muon_state_bytes(*, zero, grad_bytes, mixed):
     """Bytes per Muon-updated element the optimizer keeps: under ZeRO 1/2 the momentum
     and the copy each step stages it in (``_muon_staging_momentum``), both in the
-    gradient's dtype, plus the fp32 master in mixed precision; at stage 0 (fp32) the
-    momentum in the optimizer's state."""
+    gradient's dtype, plus the fp32 master in mixed precision; at stage 0 the fp32
+    momentum in the optimizer's state, plus the BF16 optimizer's fp32 master in mixed
+    precision."""
+    master = 4 if mixed else 0
     if zero == 0:
-        return 4
-    return 2 * grad_bytes + (4 if mixed else 0)
+        return 4 + master
+    return 2 * grad_bytes + master
 
 
 def muon_matrices(module, *, prefix, expert_ids):

@@ -63,8 +63,9 @@ def optimizer_state(m, hw, rows, shards):
     Muon's auxiliary Adam): Precision.optimizer per parameter. DeepSpeed's Muon
     (ds_ext/muon.py): muon_state_bytes per orthogonalised element and
     newton_schulz_flops per matrix at the GPU's rate; under ZeRO each rank holds every
-    Muon matrix its partition touches whole (momentum, staged copy, the update), so at
-    most two matrices cut by its partition's ends are counted whole on top."""
+    Muon matrix its partition touches whole (momentum, staged copy, the update), so in
+    each Muon parameter group (non-expert, routed-expert) at most the two matrices cut
+    by its partition's ends are counted whole on top."""
     from ds_ext.muon import muon_state_bytes, newton_schulz_flops, uses_muon
     p = m.precision
     held = {True: sum(r["experts"] for r in rows)}
@@ -77,8 +78,8 @@ def optimizer_state(m, hw, rows, shards):
     state = sum((p.optimizer * (held[f] - muon[f]) + per * muon[f]) / shards[int(f)] for f in (False, True))
     flops = sum(sum(newton_schulz_flops(a, b) for a, b in mats[f]) / shards[int(f)] for f in (False, True))
     if p.zero_stage >= 1 and max(shards) > 1:
-        whole = sorted(((a * b, newton_schulz_flops(a, b)) for f in (True, False) for a, b in mats[f]),
-                       reverse=True)[:2]
+        whole = [x for f in (True, False) if shards[int(f)] > 1
+                 for x in sorted(((a * b, newton_schulz_flops(a, b)) for a, b in mats[f]), reverse=True)[:2]]
         state += sum(n for n, _ in whole) * 2 * p.grad
         flops += sum(f for _, f in whole)
     return state, flops / hw.flops
