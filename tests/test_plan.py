@@ -540,7 +540,8 @@ def test_muon_matrices_are_the_ones_deepspeed_tags_and_muon_is_priced(tmp_path):
     whole tiny V4 model; on 128node_v4.json switched to Muon (bf16 accumulation, the only
     form DeepSpeed runs it in there) each rank's optimizer state is AdamW's less 4 bytes per
     orthogonalised element of its shard (12 against 8: momentum and staged copy in bf16 plus
-    the fp32 master), plus at most two matrices its partition cuts held whole, and the step
+    the fp32 master), plus at most two matrices its partition cuts held whole in each Muon
+    group (non-expert, routed-expert: their partitions are cut apart), and the step
     grows by the busiest rank's Newton-Schulz seconds (less the smaller state's memory-bound
     pass); a note says so."""
     import deepspeed
@@ -574,7 +575,8 @@ def test_muon_matrices_are_the_ones_deepspeed_tags_and_muon_is_priced(tmp_path):
         rows = [r for lo, hi in a.layers for r in mm.rows[lo:hi]]
         mats = [(x, f) for r in rows for f in (True, False) for x in r["muon"][f]]
         share = sum(x[0] * x[1] / (dp // ep if f else dp) for x, f in mats)
-        whole = sum(sorted((x[0] * x[1] for x, _ in mats), reverse=True)[:2]) * 2 * 2
+        whole = sum(sum(sorted((x[0] * x[1] for x, g in mats if g == f), reverse=True)[:2])
+                    for f in (True, False)) * 2 * 2
         assert b.optimizer == pytest.approx(a.optimizer - 4 * share + whole, rel=1e-9)
         assert b.muon_seconds > 0 and a.muon_seconds == 0
     # the optimizer's memory-bound pass reads and writes the (smaller) state of the rank with the most parameters
@@ -607,3 +609,26 @@ def test_exact_grad_norm_is_priced_on_each_ranks_share(tmp_path):
     assert 0 < want < 0.01 * base.step_seconds          # 57 ms of 26 s
     assert [n for n in exact.notes if n not in base.notes] == [next(n for n in exact.notes
                                                                     if n.startswith("grad_norm exact: "))]
+
+
+def test_zero_one_schedule_is_named_with_its_dense_steps(tmp_path, capsys):
+    """0/1 Adam's variance schedule in the planner's notes: its dense steps counted as the
+    reducer takes them (the warm-up, then every refresh step after it)."""
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    from ds_ext.planner.notes import dense_steps
+    from launch.plan import main
+    comm = {"compressor": "sign", "target": "momentum", "warmup_steps": 2, "var_update_scaler": 4,
+            "var_freeze_step": 500}
+    path = _config(tmp_path, "tiny_cpu.json", **{"seekspeed.comm": comm})
+    assert main(["--deepspeed", path, "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    text = capsys.readouterr().out
+    section = CommSection(**comm)
+    reducer = GradientReducer(section, node_of=[0, 0])
+    taken = {}
+    for step in range(1, 1001):
+        taken[step] = taken.get(step - 1, 0) + reducer.dense_now
+        reducer.steps += 1
+    for run in (300, 1000):
+        assert dense_steps(section, run) == taken[run]
+    assert "var_update_scaler 4, var_freeze_step 500" in text and f"{taken[300]} of the first 300" in text

@@ -60,6 +60,14 @@ def optimizer_notes(m, hw, stages):
                     + f", {p.optimizer} per parameter on the auxiliary Adam"]
 
 
+def dense_steps(comm, run):
+    """Optimizer steps of the first ``run`` that reduce dense under ``comm`` (a CommSection
+    with target momentum): the warm-up and 0/1 Adam's variance refreshes after it."""
+    from ds_ext.comm.reducer import refresh_steps
+    refreshes = refresh_steps(comm.var_update_scaler, comm.var_freeze_step, run) if comm.var_update_scaler else ()
+    return min(run, comm.warmup_steps) + sum(1 for s in refreshes if s > comm.warmup_steps)
+
+
 def comm_notes(m, stages, reductions):
     """The compressor's dense warm-up, the momentum target, and the state it keeps."""
     comm = m.section.comm
@@ -75,6 +83,11 @@ def comm_notes(m, stages, reductions):
         notes.append(f"target momentum: after the dense warm-up Adam's second moment is frozen and each rank sends "
                      f"its local momentum through {comm.compressor}, the same bytes per step as the gradient; "
                      f"it keeps a full fp32 local momentum of its stage (also under ZeRO 1) and the residuals")
+    if comm.target == "momentum" and comm.var_update_scaler is not None:
+        counts = ", ".join(f"{dense_steps(comm, run):,} of the first {run:,}" for run in (300, 1000, 10000))
+        notes.append(f"0/1 Adam's variance schedule (var_update_scaler {comm.var_update_scaler}, var_freeze_step "
+                     f"{comm.var_freeze_step:,}): each refresh is a dense step at intervals doubling after every "
+                     f"{comm.var_update_scaler} refreshes; dense steps, warm-up included: {counts}")
     heavy = max(stages, key=lambda st: st.comm_state)
     if heavy.comm_state:
         notes.append(f"comm state (what the compressed reduction keeps per rank between steps, in the totals): "
