@@ -72,7 +72,7 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
                            compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0])
             g = one if g is None else {k: g[k] + one[k] for k in g}
             for name, b in _comm_state(comm, numel, members, hierarchical=hier, matrices=matrices,
-                                         grad_bytes=m.precision.grad).items():
+                                         grad_bytes=m.precision.reduce).items():
                 kept_state[name] = kept_state.get(name, 0.0) + b
         reductions.append(g)
         st.comm_state_parts, st.comm_state = kept_state, float(sum(kept_state.values()))
