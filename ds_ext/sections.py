@@ -275,6 +275,10 @@ class CommSection:
     block_size: int | None = None
     # all lossy compressors
     error_feedback: bool = True
+    # sign, int4: the dtype their error-feedback residuals are kept in between steps, "fp32"
+    # or "bf16" (half the bytes; each residual rounded to 8 significant bits, the part error
+    # feedback then does not carry forward: docs/compression.md)
+    residual_dtype: str = "fp32"
     warmup_steps: int = 0           # dense optimizer steps before compressing
     # target momentum: 0/1 Adam's variance schedule (Lu et al. 2022; DeepSpeed's ZeroOneAdam
     # names). var_update_scaler (its kappa; 16 there): the variance is refreshed by a dense step
@@ -337,6 +341,17 @@ class CommSection:
             if self.var_freeze_step < 1:
                 raise ConfigError(f"{where}.var_freeze_step {self.var_freeze_step}: the last step the variance may be "
                                   f"refreshed at must be >= 1 (0/1 Adam: the end of the lr warm-up)")
+        if self.residual_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"{where}.residual_dtype {self.residual_dtype!r} is not one of ['fp32', 'bf16']")
+        if self.residual_dtype == "bf16":
+            from ds_ext.comm.traffic import TWO_PHASE
+            if self.compressor not in TWO_PHASE:
+                raise ConfigError(f"{where}.residual_dtype 'bf16' is for the residuals of {' and '.join(TWO_PHASE)} "
+                                  f"(derived and tested there); compressor {self.compressor!r} keeps its own in fp32: "
+                                  f"set residual_dtype 'fp32' or compressor 'sign'/'int4'")
+            if not self.error_feedback:
+                raise ConfigError(f"{where}.residual_dtype 'bf16' with error_feedback false: there is no residual to "
+                                  f"keep; remove residual_dtype or set error_feedback true")
         if not 0 < self.ratio <= 1:
             raise ConfigError(f"{where}.ratio must be in (0, 1] (the fraction of entries top-k keeps), "
                               f"got {self.ratio}")

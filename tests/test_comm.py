@@ -35,6 +35,11 @@ def _section(**kw):
     ({"ratio_": 0.1}, r"seekspeed.comm"),
     ({"dense_params": "*embed*"}, r"seekspeed.comm.dense_params: expected list of str \| null, got '\*embed\*'"),
     ({"dense_params": [" "]}, r"seekspeed.comm.dense_params holds an empty pattern"),
+    ({"compressor": "sign", "residual_dtype": "fp16"}, r"seekspeed.comm.residual_dtype 'fp16' is not one of"),
+    ({"compressor": "topk", "residual_dtype": "bf16"},
+     r"seekspeed.comm.residual_dtype 'bf16' is for the residuals of sign and int4 .*compressor 'topk'"),
+    ({"compressor": "sign", "residual_dtype": "bf16", "error_feedback": False},
+     r"seekspeed.comm.residual_dtype 'bf16' with error_feedback false: there is no residual"),
 ])
 def test_bad_comm_section_is_one_line_error(raw, match):
     from ds_ext.config import SeekspeedSection
@@ -474,14 +479,15 @@ def test_sign_momentum_encoding_kernel_is_the_torch_ops_bit_for_bit(with_worker)
     assert ((formed[:n].double() - x).abs() <= gamma(3) * size).all()
 
 
-def _held_bytes_rank(compressor, target, chunk_mb, depth):
+def _held_bytes_rank(compressor, target, chunk_mb, depth, residual="fp32"):
     """Bytes the reducer and its compressor hold after 4 steps (the last two sending
     momentum under target momentum), all tensors at least min_numel."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     world = tdist.get_world_size()
     reducer = GradientReducer(_section(compressor=compressor, target=target, warmup_steps=2 if target == "momentum"
-                                       else 0, min_numel=1000, chunk_mb=chunk_mb, pipeline_depth=depth),
+                                       else 0, min_numel=1000, chunk_mb=chunk_mb, pipeline_depth=depth,
+                                       residual_dtype=residual),
                               node_of=[0] * world)
     reducer.beta1 = 0.9
     shapes = [(256, 300), (5000,), (300, 257)]
@@ -497,28 +503,91 @@ def _held_bytes_rank(compressor, target, chunk_mb, depth):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("compressor, target", [("sign", "gradient"), ("int4", "momentum")])
-def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target):
+@pytest.mark.parametrize("compressor, target, residual", [("sign", "gradient", "fp32"), ("int4", "momentum", "fp32"),
+                                                          ("sign", "momentum", "bf16")])
+def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target, residual):
     """ds_ext.comm.traffic.state_bytes (the planner's comm state) against the bytes the
     reducer and its compressor hold after training steps (residuals, pooled scratch,
     the momentum): 2 ranks, 5 chunks of 32768 entries (the last shorter), 2 in flight.
     The planner does not count the two-phase padding (each chunk's segments are rounded
     up to whole blocks: at most world x block entries a chunk, for the worker residual and
-    each pooled input, one block for the server residual and each pooled sum and tail),
+    each pooled input, one block for the server residual and each pooled sum and tail;
+    with bf16 residuals their padding is 2 bytes an entry, and the momentum's pooled
+    inputs are two a chunk in flight, the encoded one and the widened residual),
     and counts a sum and a tail per chunk in flight, which the pool may reuse within a
     chunk (at most depth x 2 segments of chunk / world entries fewer)."""
     from ds_ext.comm.traffic import default_block_size, state_bytes
     world, chunk_mb, depth = 2, 0.125, 2
-    ranks = run_ranks(_held_bytes_rank, world_size=world, args=(compressor, target, chunk_mb, depth))
+    ranks = run_ranks(_held_bytes_rank, world_size=world, args=(compressor, target, chunk_mb, depth, residual))
     chunk = int(chunk_mb * 2 ** 20 / 4)
     numel, block = ranks[0]["numel"], default_block_size(compressor)
     chunks = math.ceil(numel / chunk)
+    kept = {"fp32": 4, "bf16": 2}[residual]
     planned = sum(state_bytes(compressor, numel=numel, nodes=1, per_node=world, hierarchical=False, target=target,
-                              chunk=chunk, depth=depth).values())
-    padding = 4 * (chunks + depth) * (world + 2) * block
+                              chunk=chunk, depth=depth, residual_bytes=kept).values())
+    padding = (kept * chunks + 4 * depth * (2 if target == "momentum" and kept != 4 else 1)) * (world + 2) * block
     for r in ranks:
         assert r["dense_buffers"] == 0
         assert planned - 4 * depth * 2 * chunk / world <= r["held"] <= planned + padding, (r["held"], planned, padding)
+
+
+def _bf16_residual_rank(compressor, target, kernel):
+    """Two reducers on the same gradients for 6 steps (target momentum: 2 dense warm-up
+    steps): one keeping its residuals in bf16, one in fp32 whose residuals are rounded to
+    bf16 and widened back before each step. Returns the steps on which their results, M
+    and kept residuals differ, and the largest rounding relative to the residual's size."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    world, me = tdist.get_world_size(), tdist.get_rank()
+    reducers = {dtype: GradientReducer(_section(compressor=compressor, target=target, residual_dtype=dtype,
+                                                warmup_steps=2 if target == "momentum" else 0, min_numel=1000,
+                                                chunk_mb=0.125, kernel=kernel), node_of=[0] * world)
+                for dtype in ("bf16", "fp32")}
+    for r in reducers.values():
+        r.beta1 = 0.9
+    shapes, differ, worst = [(256, 300), (5000,), (300, 257)], [], 0.0
+    for step in range(6):
+        wide = reducers["fp32"].compressor.state
+        for st in wide.values():
+            for name in ("worker", "server"):
+                if name in st:
+                    rounded = st[name].bfloat16().float()
+                    worst = max(worst, float(((rounded - st[name]).abs() - 2.0 ** -8 * st[name].abs()).max()))
+                    st[name].copy_(rounded)
+        out = {}
+        for dtype, r in reducers.items():
+            grads = _grads(me, shapes, seed=step)
+            r.begin_step()
+            r.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+            r.end_step()
+            out[dtype] = grads
+        narrow = reducers["bf16"].compressor.state
+        same = all(torch.equal(a, b) for a, b in zip(out["bf16"], out["fp32"]))
+        same &= all(torch.equal(reducers["bf16"].momentum[k], reducers["fp32"].momentum[k])
+                    for k in reducers["fp32"].momentum)
+        same &= all(narrow[k][name].dtype == torch.bfloat16 and torch.equal(narrow[k][name],
+                                                                             wide[k][name].bfloat16())
+                    for k in wide for name in ("worker", "server"))
+        if not same:
+            differ.append(step)
+    return {"differ": differ, "worst": worst, "keys": len(narrow)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compressor, target, kernel", [("sign", "momentum", "fused"), ("sign", "momentum", "torch"),
+                                                        ("int4", "gradient", "auto")])
+def test_bf16_residuals_are_the_fp32_step_with_its_residuals_rounded(compressor, target, kernel):
+    """residual_dtype bf16 is exactly the fp32 algorithm with the residuals rounded to
+    bf16 between steps: results, M and kept residuals bitwise those of an fp32 reducer
+    whose residuals are rounded before each step (2 ranks, chunks, the momentum's fused
+    and torch passes). So the only error it adds is the rounding, at most 2^-8 of each
+    residual entry (bf16 keeps 8 significant bits, round to nearest; an fp32 value in
+    bf16's subnormal range is below 2^-126 and rounds within 2^-134: the max over
+    (|rounded - r| - 2^-8 |r|) is then <= 2^-134), which error feedback drops."""
+    ranks = run_ranks(_bf16_residual_rank, world_size=2, args=(compressor, target, kernel))
+    for r in ranks:
+        assert r["differ"] == [] and r["keys"] > 1, r
+        assert r["worst"] <= 2.0 ** -134, r
 
 
 def _fused_momentum_rank(dtype):

@@ -147,6 +147,11 @@ def test_settings_name_what_the_state_depends_on():
         assert comm_state.settings(CommSection(**TOPK | change), layout=LAYOUT) != base, change
     assert comm_state.differences(base, comm_state.settings(CommSection(**TOPK), layout=LAYOUT | {
         "data_parallel": 4})) == ["layout data_parallel 2 -> 4"]
+    # the residuals' dtype is recorded only away from fp32, so checkpoints from before it still match
+    sign = comm_state.settings(CommSection(compressor="sign"), layout=LAYOUT)
+    narrow = comm_state.settings(CommSection(compressor="sign", residual_dtype="bf16"), layout=LAYOUT)
+    assert "residual_dtype" not in sign
+    assert comm_state.differences(sign, narrow) == ["residual_dtype 'fp32' -> 'bf16'"]
     # ... what only schedules or checks it does not
     for change in ({"kernel": "torch"}, {"pipeline_depth": 4}, {"warmup_steps": 3}, {"on_mismatch": "restart"}):
         assert comm_state.settings(CommSection(**TOPK | change), layout=LAYOUT) == base, change
@@ -195,9 +200,10 @@ COMM_CASES = {
     # the momentum (the reducer's M), sign's worker and server residuals; the frozen
     # variance and its step count are in DeepSpeed's optimizer state; 0/1 Adam's refreshes
     # (kappa 1: steps 1, 2 and 4, the last after a momentum step, so after the resume at 2)
-    # follow from the reducer's step count
+    # follow from the reducer's step count; the residuals kept in bf16 (an fp32 residual is
+    # saved as top-k's is, a tensor as it stands)
     "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "var_update_scaler": 1,
-                      "min_numel": 2048},
+                      "min_numel": 2048, "residual_dtype": "bf16"},
 }
 # (case, engine) resumed: top-k with both engines, the momentum mode with the asynchronous one
 RESUMES = [("topk-sampled-error-feedback", "deepspeed"), ("topk-sampled-error-feedback", "async-zstd"),

@@ -488,8 +488,12 @@ class TwoPhase:
     # committed residuals handed back; 8 of a size covers 2 chunks in flight with room
     POOL_PER_SIZE, POOL_SIZES = 8, 8
 
-    def __init__(self, codec, *, block_size=256, error_feedback=True):
+    def __init__(self, codec, *, block_size=256, error_feedback=True, residual_dtype=torch.float32):
         self.codec, self.block_size, self.error_feedback = codec, block_size, error_feedback
+        # the dtype the worker and server residuals are kept in between steps; the step itself
+        # works in fp32. bf16 keeps each residual rounded (relative error <= 2^-8 an entry):
+        # that rounding is what error feedback does not carry forward (docs/compression.md)
+        self.residual_dtype = residual_dtype
         self.state = {}
         # this step's residuals and scratch, from buffers the chunks before gave back (a
         # fresh gradient-sized allocation costs its page faults; one set per chunk in flight)
@@ -524,10 +528,16 @@ class TwoPhase:
         # this step's residuals go into pooled buffers, committed when the step is finite
         x = self.pool.take(world * seg, dev)
         worker = st["worker"] if ef and "worker" in st else None
+        wide = None
         if momentum is not None:
             m, local, beta1 = momentum
+            if worker is not None and worker.dtype != torch.float32:     # the fused pass reads an fp32 residual
+                wide = self.pool.take(world * seg, dev)
+                worker = wide.copy_(worker)
             scales, codes = self.codec.encode_momentum(x.view(world * blocks, b), region, m, worker, local=local,
                                                        beta1=beta1, residual=ef)
+            if wide is not None:
+                self.pool.give(wide)
         else:
             x[n:].zero_()
             if worker is not None:
@@ -568,10 +578,18 @@ class TwoPhase:
             if not finite:
                 _poison(region)
             return              # a non-finite step is skipped: the residuals stay as they were
-        for old in (st.get("worker"), st.get("server")):
-            if old is not None:
-                self.pool.give(old)
-        st.update(worker=x, server=summed.view(-1))
+        if self.residual_dtype == torch.float32:
+            for old in (st.get("worker"), st.get("server")):
+                if old is not None:
+                    self.pool.give(old)
+            st.update(worker=x, server=summed.view(-1))
+            return
+        for name, fresh in (("worker", x), ("server", summed.view(-1))):
+            kept = st.get(name)
+            if kept is None:
+                kept = st[name] = torch.empty(fresh.numel(), dtype=self.residual_dtype, device=dev)
+            kept.copy_(fresh)          # rounded to the kept dtype; last step's value was read above
+            self.pool.give(fresh)
 
 
 def _orthonormalise(p):
@@ -675,11 +693,13 @@ def make_compressor(section, *, seed=0):
         return Dense(torch.float16)
     if name == "int8":
         return Int8(block_size=section.resolved_block_size, error_feedback=section.error_feedback)
+    residual_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[section.residual_dtype]
     if name == "int4":
-        return TwoPhase(_Int4Codec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback)
+        return TwoPhase(_Int4Codec(), block_size=section.resolved_block_size, error_feedback=section.error_feedback,
+                        residual_dtype=residual_dtype)
     if name == "sign":
         return TwoPhase(_SignCodec(kernel=section.kernel), block_size=section.resolved_block_size,
-                        error_feedback=section.error_feedback)
+                        error_feedback=section.error_feedback, residual_dtype=residual_dtype)
     if name == "topk":
         return TopK(ratio=section.ratio, selection=section.selection, sample_ratio=section.sample_ratio,
                     kernel=section.kernel,

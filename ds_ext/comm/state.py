@@ -49,6 +49,8 @@ VERSION = 1
 # computes the same selection; pipeline_depth, warmup_steps, on_mismatch)
 SETTINGS_FIELDS = ("compressor", "target", "ratio", "selection", "sample_ratio", "momentum", "rank", "block_size",
                    "error_feedback", "min_numel", "dense_params", "chunk_mb", "hierarchical")
+# fields recorded only away from their default (checkpoints written before them hold the default)
+_OPTIONAL_SETTINGS = {"residual_dtype": "fp32"}
 # the trainer's layout record (run_plan.layout_record) keys that decide which gradients a
 # rank reduces, in which order and over which group: chunk keys name elements of them
 LAYOUT_FIELDS = ("data_parallel", "pipe_stages", "expert_parallel_size", "zero_stage", "schedule", "bf16",
@@ -71,6 +73,9 @@ def settings(section, *, layout=None):
     out["block_size"] = section.resolved_block_size
     if out["dense_params"] is not None:
         out["dense_params"] = list(out["dense_params"])
+    for name, default in _OPTIONAL_SETTINGS.items():     # recorded when set, so older fingerprints still match
+        if getattr(section, name) != default:
+            out[name] = getattr(section, name)
     if layout is not None:
         out["layout"] = {name: layout.get(name) for name in LAYOUT_FIELDS}
     return out
@@ -88,8 +93,9 @@ def differences(saved, now):
                         out.append("layout stage_keys (the layers each pipeline rank holds) differ")
                     else:
                         out.append(f"layout {field} {before.get(field)!r} -> {after.get(field)!r}")
-        elif saved.get(name) != now.get(name):
-            out.append(f"{name} {saved.get(name)!r} -> {now.get(name)!r}")
+        elif saved.get(name, _OPTIONAL_SETTINGS.get(name)) != now.get(name, _OPTIONAL_SETTINGS.get(name)):
+            out.append(f"{name} {saved.get(name, _OPTIONAL_SETTINGS.get(name))!r} -> "
+                       f"{now.get(name, _OPTIONAL_SETTINGS.get(name))!r}")
     return out
 
 

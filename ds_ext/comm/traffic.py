@@ -109,7 +109,7 @@ def inter_node_bytes(compressor, *, nodes, per_node, hierarchical, chunk=CHUNK_N
 
 
 def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gradient", error_feedback=True,
-                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2, grad_bytes=4):
+                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2, grad_bytes=4, residual_bytes=4):
     """{part: bytes} the compressed reduction keeps on one rank from step to step (the
     busiest rank of the group), for a gradient of ``numel`` fp32 entries reduced over
     ``nodes`` x ``per_node`` ranks in chunks of ``chunk`` entries, ``depth`` of them in
@@ -119,7 +119,9 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     flight (tensors under ``min_numel`` go dense through a flat buffer of their own,
     not counted here). ``grad_bytes``: the gradients' element size; with target momentum
     and 16-bit gradients the mean momentum is also kept in an fp32 buffer of its own (the
-    next M: the gradients hold it rounded)."""
+    next M: the gradients hold it rounded). ``residual_bytes``: the element size sign's and
+    int4's residuals are kept in (``seekspeed.comm.residual_dtype``; the step works in fp32,
+    and the momentum's fused pass reads the worker residual widened into a pooled chunk)."""
     if compressor == "none":
         return {}
     full, tail = divmod(numel, chunk)       # scratch is pooled by size: the last, shorter chunk has its own
@@ -140,11 +142,12 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     if compressor in TWO_PHASE:
         # per chunk in flight: its encoded input (the next worker residual) and the
         # segment's sum (the next server residual) and tail, from a pool
-        parts["chunk scratch"] += 4 * region * (1 + 2 / group)
+        parts["chunk scratch"] += 4 * region * (1 + 2 / group + (target == "momentum" and residual_bytes != 4))
     if compressor in ("int8", "int4", "sign") and error_feedback:
-        parts["residual"] = 4 * owned
+        kept = residual_bytes if compressor in TWO_PHASE else 4
+        parts["residual"] = kept * owned
         if compressor in TWO_PHASE:
-            parts["server residual"] = 4 * math.ceil(owned / group)
+            parts["server residual"] = kept * math.ceil(owned / group)
     elif compressor == "topk":
         # torch path (the fused CPU kernel keeps no magnitudes); each accumulator and its spare
         accumulators = (["DGC momentum u"] if momentum > 0 else []) + (
