@@ -47,12 +47,14 @@ RUNS = {
     # 1-bit Adam's scheme: Adam's variance frozen after the warm-up, the momentum sent compressed
     "momentum-fp32": {"compressor": "fp32", "target": "momentum"},     # the frozen variance alone, uncompressed
     "momentum-sign": {"compressor": "sign", "target": "momentum"},
+    "momentum-sign-bf16": {"compressor": "sign", "target": "momentum", "residual_dtype": "bf16"},   # residuals kept in bf16
     "momentum-int4": {"compressor": "int4", "target": "momentum", "block_size": 256},
     "momentum-topk-1%": {"compressor": "topk", "ratio": 0.01, "target": "momentum"},
     # 0/1 Adam's variance schedule on the momentum target (no fixed warm-up: the schedule
     # starts dense): its kappa 16; kappa 4; kappa 1 (refreshes at the powers of two) with
     # the variance frozen for good after step 64
     "momentum-sign-01": {"compressor": "sign", "target": "momentum", "var_update_scaler": 16},
+    "momentum-fp32-01": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 16},   # the schedule alone
     "momentum-sign-01-k4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 4},
     "momentum-sign-01-k1-f64": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                 "var_freeze_step": 64},
@@ -133,9 +135,23 @@ def main(argv=None):
     p.add_argument("--runs", nargs="+", default=["none", "topk-1%-ef", "topk-1%-no-ef", "powersgd-r4-ef", "int8-ef"],
                    choices=list(RUNS))
     p.add_argument("--json")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in --json that this run does not redo (same run, seed and step "
+                        "count), and compare against their dense rows where this run has none: one file for "
+                        "several run lengths and runs")
     args = p.parse_args(argv)
     if args.optimizer == "sgd" and args.lr is None:
         p.error("--optimizer sgd needs --lr")
+    before = None
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            before = json.load(f)
+        fixed = ("config", "ranks", "micro_batch", "grad_accum", "seq_len", "optimizer", "lr", "min_numel")
+        differ = [k for k in fixed if before["args"].get(k) != getattr(args, k)]
+        if differ:
+            was = ", ".join(f"{k} {before['args'].get(k)}" for k in differ)
+            p.error(f"--append: {args.json} was measured with other {', '.join(differ)} ({was}); use those, or "
+                    f"another --json")
     seeds = args.seeds or [args.seed]
     rows = []
     with tempfile.TemporaryDirectory(prefix="seekspeed-conv-") as tmp:
@@ -152,8 +168,10 @@ def main(argv=None):
           f"bytes: sent per rank per step after the warm-up (dense fp32 ring: {dense_mb:.3f} MB)")
     print(f"{'run':<24} {'seed':>4} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'x fewer':>7} "
           f"{'run avg MB':>10} {'run x fewer':>11} {'compress ms':>11}")
+    earlier = before["rows"] if before else []
     for r in rows:
-        dense = next((d for d in rows if d["run"] == "none" and d["seed"] == r["seed"]), None)
+        dense = next((d for d in rows + earlier
+                      if d["run"] == "none" and d["seed"] == r["seed"] and d["steps"] == r["steps"]), None)
         r["dense_final_loss"] = dense["final_loss"] if dense else None
         rel = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")
         r["vs_dense_pct"] = rel
@@ -174,8 +192,14 @@ def main(argv=None):
             print(f"{name:<24} {statistics.mean(rel):+12.2f}% {min(rel):+7.2f}% {max(rel):+7.2f}%")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        out = {"args": vars(args), "rows": rows}
+        if before:
+            redone = {(r["run"], r["seed"], r["steps"]) for r in rows}
+            kept = [r for r in before["rows"] if (r["run"], r["seed"], r["steps"]) not in redone]
+            out = {"args": vars(args), "earlier_args": before.get("earlier_args", []) + [before["args"]],
+                   "rows": kept + rows}
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump(out, f, indent=2)
     return rows
 
 
