@@ -341,10 +341,10 @@ class CommSection:
             if self.var_freeze_step < 1:
                 raise ConfigError(f"{where}.var_freeze_step {self.var_freeze_step}: the last step the variance may be "
                                   f"refreshed at must be >= 1 (0/1 Adam: the end of the lr warm-up)")
-        if self.residual_dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"{where}.residual_dtype {self.residual_dtype!r} is not one of ['fp32', 'bf16']")
+        from ds_ext.comm.traffic import RESIDUAL_BYTES, TWO_PHASE
+        if self.residual_dtype not in RESIDUAL_BYTES:
+            raise ConfigError(f"{where}.residual_dtype {self.residual_dtype!r} is not one of {list(RESIDUAL_BYTES)}")
         if self.residual_dtype == "bf16":
-            from ds_ext.comm.traffic import TWO_PHASE
             if self.compressor not in TWO_PHASE:
                 raise ConfigError(f"{where}.residual_dtype 'bf16' is for the residuals of {' and '.join(TWO_PHASE)} "
                                   f"(derived and tested there); compressor {self.compressor!r} keeps its own in fp32: "

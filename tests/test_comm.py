@@ -516,15 +516,15 @@ def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target, r
     inputs are two a chunk in flight, the encoded one and the widened residual),
     and counts a sum and a tail per chunk in flight, which the pool may reuse within a
     chunk (at most depth x 2 segments of chunk / world entries fewer)."""
-    from ds_ext.comm.traffic import default_block_size, state_bytes
+    from ds_ext.comm.traffic import RESIDUAL_BYTES, default_block_size, state_bytes
     world, chunk_mb, depth = 2, 0.125, 2
     ranks = run_ranks(_held_bytes_rank, world_size=world, args=(compressor, target, chunk_mb, depth, residual))
     chunk = int(chunk_mb * 2 ** 20 / 4)
     numel, block = ranks[0]["numel"], default_block_size(compressor)
     chunks = math.ceil(numel / chunk)
-    kept = {"fp32": 4, "bf16": 2}[residual]
+    kept = RESIDUAL_BYTES[residual]
     planned = sum(state_bytes(compressor, numel=numel, nodes=1, per_node=world, hierarchical=False, target=target,
-                              chunk=chunk, depth=depth, residual_bytes=kept).values())
+                              chunk=chunk, depth=depth, residual_dtype=residual).values())
     padding = (kept * chunks + 4 * depth * (2 if target == "momentum" and kept != 4 else 1)) * (world + 2) * block
     for r in ranks:
         assert r["dense_buffers"] == 0

@@ -93,9 +93,11 @@ def differences(saved, now):
                         out.append("layout stage_keys (the layers each pipeline rank holds) differ")
                     else:
                         out.append(f"layout {field} {before.get(field)!r} -> {after.get(field)!r}")
-        elif saved.get(name, _OPTIONAL_SETTINGS.get(name)) != now.get(name, _OPTIONAL_SETTINGS.get(name)):
-            out.append(f"{name} {saved.get(name, _OPTIONAL_SETTINGS.get(name))!r} -> "
-                       f"{now.get(name, _OPTIONAL_SETTINGS.get(name))!r}")
+        else:
+            default = _OPTIONAL_SETTINGS.get(name)
+            before, after = saved.get(name, default), now.get(name, default)
+            if before != after:
+                out.append(f"{name} {before!r} -> {after!r}")
     return out
 
 

@@ -58,6 +58,8 @@ import math
 
 CHUNK_NUMEL = int(16.0 * 2 ** 20 / 4)     # seekspeed.comm.chunk_mb's default, in fp32 entries
 TWO_PHASE = ("sign", "int4")
+# seekspeed.comm.residual_dtype: the bytes a two-phase residual entry is kept in
+RESIDUAL_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def chunk_numel(chunk_mb):
@@ -109,7 +111,7 @@ def inter_node_bytes(compressor, *, nodes, per_node, hierarchical, chunk=CHUNK_N
 
 
 def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gradient", error_feedback=True,
-                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2, grad_bytes=4, residual_bytes=4):
+                momentum=0.0, matrices=(), rank=4, chunk=CHUNK_NUMEL, depth=2, grad_bytes=4, residual_dtype="fp32"):
     """{part: bytes} the compressed reduction keeps on one rank from step to step (the
     busiest rank of the group), for a gradient of ``numel`` fp32 entries reduced over
     ``nodes`` x ``per_node`` ranks in chunks of ``chunk`` entries, ``depth`` of them in
@@ -119,8 +121,8 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     flight (tensors under ``min_numel`` go dense through a flat buffer of their own,
     not counted here). ``grad_bytes``: the gradients' element size; with target momentum
     and 16-bit gradients the mean momentum is also kept in an fp32 buffer of its own (the
-    next M: the gradients hold it rounded). ``residual_bytes``: the element size sign's and
-    int4's residuals are kept in (``seekspeed.comm.residual_dtype``; the step works in fp32,
+    next M: the gradients hold it rounded). ``residual_dtype``: what sign's and int4's
+    residuals are kept in (``seekspeed.comm.residual_dtype``, RESIDUAL_BYTES; the step works in fp32,
     and the momentum's fused pass reads the worker residual widened into a pooled chunk)."""
     if compressor == "none":
         return {}
@@ -142,9 +144,10 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     if compressor in TWO_PHASE:
         # per chunk in flight: its encoded input (the next worker residual) and the
         # segment's sum (the next server residual) and tail, from a pool
-        parts["chunk scratch"] += 4 * region * (1 + 2 / group + (target == "momentum" and residual_bytes != 4))
+        widened = target == "momentum" and RESIDUAL_BYTES[residual_dtype] != 4
+        parts["chunk scratch"] += 4 * region * (1 + 2 / group + widened)
     if compressor in ("int8", "int4", "sign") and error_feedback:
-        kept = residual_bytes if compressor in TWO_PHASE else 4
+        kept = RESIDUAL_BYTES[residual_dtype] if compressor in TWO_PHASE else 4
         parts["residual"] = kept * owned
         if compressor in TWO_PHASE:
             parts["server residual"] = kept * math.ceil(owned / group)

@@ -50,7 +50,7 @@ def _comm_state(comm, numel, members, *, hierarchical, matrices, grad_bytes):
                        hierarchical=hierarchical, target=comm.target, error_feedback=comm.error_feedback,
                        momentum=comm.momentum, matrices=_payload(comm)(matrices)[1], rank=comm.rank,
                        chunk=chunk_numel(comm.chunk_mb), depth=comm.pipeline_depth, grad_bytes=grad_bytes,
-                       residual_bytes={"fp32": 4, "bf16": 2}[comm.residual_dtype])
+                       residual_dtype=comm.residual_dtype)
 
 
 def stage_reductions(m, hw, stages, stage_matrices, placement):
