@@ -16,10 +16,11 @@ MOE = {"first_k_dense_replace": 1, "n_routed_experts": 8, "moe_intermediate_size
 
 
 def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, overrides, poison_step=None, seed=7,
-                       clip=1.0, weight_decay=None, recipe="deepseek_v3", optimizer="AdamW"):
+                       clip=1.0, weight_decay=None, recipe="deepseek_v3", optimizer="AdamW", same_data=False):
     """A tiny 4-layer pipeline engine (``comm``: a seekspeed.comm section as a dict, or
     None for DeepSpeed's reduction; ``precision`` fp32, bf16, bf16-fp32-accum or fp16)
-    and an iterator over ``steps`` x ``gas`` micro-batches of this replica's data. At
+    and an iterator over ``steps`` x ``gas`` micro-batches of this replica's data
+    (``same_data``: replica 0's on every replica). At
     ``poison_step`` rank 1's gradient of one matrix is multiplied by inf. ``recipe``
     deepseek_v4: its tiny preset (4 MoE layers) instead; ``optimizer`` AdamW or Muon."""
     from deepspeed import comm as dist
@@ -45,7 +46,7 @@ def engine_and_batches(comm, *, zero, precision, stages, gas, steps, schedule, o
                         comm=CommSection(**comm) if comm else None, log=lambda _: None)
     dp_id = model._grid.get_data_parallel_id()
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, config.vocab_size, (steps, 8, gas, 2, 33), generator=g)[:, dp_id]
+    data = torch.randint(0, config.vocab_size, (steps, 8, gas, 2, 33), generator=g)[:, 0 if same_data else dp_id]
     if poison_step is not None and dist.get_rank() == 1:
         param = next(p for p in engine.module.parameters() if p.dim() == 2)
         param.register_hook(lambda grad: grad * float("inf") if engine.global_steps == poison_step else grad)

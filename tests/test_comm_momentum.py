@@ -21,8 +21,9 @@ from tests.numerics import assert_within, gamma
 from tests.test_comm_engine import MOE, engine_and_batches
 
 
-def _momentum_reducer_rank(compressor, steps, warmup, nodes=0):
-    """``nodes`` > 0: hierarchical over that many simulated nodes of consecutive ranks."""
+def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0):
+    """``nodes`` > 0: hierarchical over that many simulated nodes of consecutive ranks;
+    ``clip`` > 0: the momentum made of gradients clipped to that norm."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     from ds_ext.config import CommSection
@@ -34,6 +35,7 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0):
                                           min_numel=1000, hierarchical=bool(nodes)), node_groups=groups,
                               node_of=node_of)
     reducer.beta1 = 0.9
+    reducer.clip = clip
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -46,28 +48,56 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0):
 
 
 @pytest.mark.multirank
-def test_momentum_follows_the_dense_momentum_through_the_fp32_path():
-    """M_t = b1 M_{t-1} + (1 - b1) mean_i g_i, kept through the warm-up (which returns
-    the mean gradient) and returned after it. Per element and step the
-    fp32 path rounds at most 6 times (the local momentum's scale and add, the 2-rank
-    sum, the mean's scale; the warm-up's update), each relative to b1 |M| + (1 - b1)
-    sum_i |g_i| / n at most; an error carried from the last step shrinks by b1. So
-    E_t = b1 E_{t-1} + gamma_6 A_t bounds it, computed alongside the reference."""
+@pytest.mark.parametrize("clip", [0.0, 30.0, 45.0])
+def test_momentum_follows_the_dense_momentum_through_the_fp32_path(clip):
+    """M_t = b1 M_{t-1} + (1 - b1) c_t mean_i g_i, kept through the warm-up (which
+    returns the mean gradient) and returned after it. c_t = 1 without clipping; with
+    it, min(1, clip / (norm + 1e-6)), the norm that of the mean gradient in the warm-up
+    (as DeepSpeed clips it) and after it the root mean square of the ranks' own
+    gradient norms (the gradients here have norms near 58 a rank and 41 averaged: clip
+    30 clips every step, clip 45 only the momentum steps).
+
+    Per element and step the fp32 path rounds at most 6 times without clipping (the
+    local momentum's scale and add, the 2-rank sum, the mean's scale; the warm-up's
+    update) and 10 with it (c M_t + (1 - c) b1 M_{t-1} after the exchange: two scales,
+    an add, the coefficient's own rounding), each relative to A_t = b1 |M| + (1 - b1)
+    sum_i |g_i| / n at most (c <= 1); an error carried from the last step shrinks by
+    b1. c_t itself comes from an fp32 sum of n = 3372 squares per rank, two per-tensor
+    partial sums, the weight, the 2-rank sum and a square root: relative error under
+    gamma_(n + 6), which reaches M through (1 - b1) c_t |mean g|. So E_t = b1 E_{t-1} +
+    gamma_k A_t + gamma_(n + 6) (1 - b1) c_t sum_i |g_i| / n, computed alongside the
+    reference."""
     steps, warmup, b1 = 6, 2, 0.9
-    results = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup))
+    results = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup, 0, clip))
     grads = [[], []]
     for rank in range(2):
         for step in range(steps):
             g = torch.Generator().manual_seed(100 * step + rank)
             grads[rank].append([torch.randn(64, 48, generator=g).double(), torch.randn(300, generator=g).double()])
+    numel = sum(g.numel() for g in grads[0][0])
+    coef = []
+    for step in range(steps):
+        if not clip:
+            coef.append(1.0)
+            continue
+        if step < warmup:
+            norm = sum(((grads[0][step][i] + grads[1][step][i]) / 2).pow(2).sum() for i in range(2)).sqrt()
+        else:
+            norm = (sum(g.pow(2).sum() for r in range(2) for g in grads[r][step]) / 2).sqrt()
+        coef.append(min(1.0, clip / (float(norm) + 1e-6)))
+    if clip:
+        clipped = [c < 1 for c in coef]
+        assert all(clipped) if clip == 30.0 else clipped == [False] * warmup + [True] * (steps - warmup), coef
+    k = 10 if clip else 6
     for i in range(2):
         m = bound = 0.0
         for step in range(steps):
+            c = coef[step]
             mean = (grads[0][step][i] + grads[1][step][i]) / 2
             absmean = (grads[0][step][i].abs() + grads[1][step][i].abs()) / 2
             a = b1 * abs(m) + (1 - b1) * absmean
-            m = b1 * m + (1 - b1) * mean
-            bound = b1 * bound + gamma(6) * a
+            m = b1 * m + (1 - b1) * c * mean
+            bound = b1 * bound + gamma(k) * a + (gamma(numel + 6) * (1 - b1) * c * absmean if clip else 0.0)
             for r in results:
                 if step < warmup:      # the warm-up returns the averaged gradient: DeepSpeed's Adam steps
                     assert_within(r[step][i], mean.numpy(), (gamma(2) * absmean).numpy(), what=f"warm-up {step}")
@@ -89,10 +119,11 @@ def test_compressed_momentum_is_the_same_on_every_rank(compressor, world, nodes)
                 assert np.isfinite(a).all()
 
 
-def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, clip=1.0, poison_step=None):
+def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, clip=1.0, poison_step=None,
+                same_data=False):
     engine, it = engine_and_batches(comm, zero=zero, precision=precision, stages=stages, gas=2 * stages, steps=steps,
                                     schedule=schedule, overrides=overrides, clip=clip, poison_step=poison_step,
-                                    weight_decay=0.1)
+                                    weight_decay=0.1, same_data=same_data)
     from ds_ext.comm.install import _inner_optimizer
     inner = _inner_optimizer(engine)
 
@@ -103,15 +134,23 @@ def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, cl
     def weights():
         return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
-    losses, variances, states = [], [], []
+    def momentum():
+        return [inner.state[p]["exp_avg"].clone() for grp in inner.param_groups for p in grp["params"]
+                if p in inner.state]
+
+    losses, variances, states, momenta, coefs = [], [], [], [], []
     for _ in range(steps):
         losses.append(engine.train_batch(it).item())
         variances.append(variance())
         states.append(weights())
+        momenta.append(momentum())
+        reducer = getattr(engine, "grad_reducer", None)
+        coefs.append(reducer.last.clip_coef if reducer is not None else None)
     momentum_norm = float(torch.cat([inner.state[p]["exp_avg"].reshape(-1) for grp in inner.param_groups
                                      for p in grp["params"] if p in inner.state]).norm())
     frozen = getattr(engine, "frozen_variance", None)
     return {"losses": losses, "variances": variances, "states": states, "momentum_norm": momentum_norm,
+            "momenta": momenta, "clip_coefs": coefs, "numel": sum(p.numel() for p in engine.module.parameters()),
             "frozen_skipped": frozen.skipped_steps if frozen else 0, "ds_skipped": engine.skipped_steps,
             "stage": engine.stage_id if hasattr(engine, "stage_id") else 0}
 
@@ -199,6 +238,42 @@ def test_zero_one_adam_refreshes_the_variance_on_its_schedule():
         assert all(np.isfinite(r["losses"]))
     for name, want in results[0]["states"][-1].items():
         np.testing.assert_array_equal(results[1]["states"][-1][name], want, err_msg=name)
+
+
+def _same_data_pair(comm, kw):
+    return {"ds": _engine_run(None, same_data=True, **kw), "ours": _engine_run(comm, same_data=True, **kw)}
+
+
+@pytest.mark.multirank
+def test_momentum_is_made_of_clipped_gradients_as_adams():
+    """ZeRO 1 fp32, 2 replicas given the same data, a clip far under the gradients' norm
+    (every step's coefficient under 1e-3), the momentum sent uncompressed. The
+    replicas' gradients are equal, so the root mean square of their norms is the
+    average's norm, and the first momentum step's M (the step after a 2-step warm-up, from
+    the same weights as DeepSpeed's run) is DeepSpeed's AdamW momentum, made of clipped
+    gradients, up to rounding: per element, each step's b1 m + (1 - b1) c g rounds a few
+    times on each side (gamma_10 of A = b1 |m| + (1 - b1) |c g|, both sides), and each
+    side's clip coefficient comes from a sum of n squares (n the model's elements:
+    relative error under gamma_(n + 6), reaching m through (1 - b1) c |g|); errors carried
+    shrink by b1. A momentum of unclipped gradients, or a norm on another scale than the
+    optimizer's (ZeRO 1 divides the sum after the reduction), is off by far more."""
+    comm = {"compressor": "fp32", "target": "momentum", "warmup_steps": 2, "min_numel": 256}
+    kw = dict(zero=1, precision="fp32", stages=1, steps=3, schedule="1f1b", overrides={}, clip=2e-3)
+    b1 = 0.9
+    for r in run_ranks(_same_data_pair, world_size=2, args=(comm, kw), timeout=240):
+        ours, ds = r["ours"], r["ds"]
+        assert ours["losses"] == ds["losses"]       # the warm-up is DeepSpeed's own; step 3's loss comes before it
+        assert all(c < 1e-3 for c in ours["clip_coefs"]), ours["clip_coefs"]
+        n = ours["numel"]
+        for got, m1, m2, want in zip(ours["momenta"][2], *(ds["momenta"][step] for step in range(3))):
+            seq = [np.asarray(x, dtype=np.float64) for x in (m1, m2, want)]
+            bound, prev = 0.0, 0.0
+            for m in seq:
+                cg = np.abs(m - b1 * prev) / (1 - b1)      # |c g| of that step, from DeepSpeed's momenta
+                a = b1 * np.abs(prev) + (1 - b1) * cg
+                bound = b1 * bound + 2 * (gamma(10) * a + gamma(n + 6) * (1 - b1) * cg)
+                prev = m
+            assert_within(np.asarray(got, dtype=np.float64), seq[-1], bound, what="first momentum step's M")
 
 
 def _clipped_and_poisoned(kw):

@@ -53,6 +53,12 @@ def _local_predivide(opt, tensor, communication_data_type):
     return tensor
 
 
+def zero1_divisor(opt, group):
+    """What DeepSpeed's ZeRO 1 divides a gradient summed over ``group`` by (its
+    averaging, which runs after the compressed sum)."""
+    return tdist.get_world_size(group=group) / float(getattr(opt, "sequence_parallel_size", 1))
+
+
 def _grouped(pairs, dense_params):
     """(param, grad) pairs -> (non-expert grads, {expert group name: grads}, ids of the
     grads whose parameter is in ``dense_params``)."""
@@ -94,12 +100,15 @@ class CompressedReduction:
         at = dict(micro_step=self.micro_steps, boundary=self.is_gradient_accumulation_boundary(), dense=dense)
         dp_group = self.mpu.get_data_parallel_group()
         reducer.reduce(list(non_expert), group=dp_group, key="dense", **at,
-                       divide_by=tdist.get_world_size(dp_group) if average else 1)
+                       divide_by=tdist.get_world_size(dp_group) if average else 1,
+                       divided_later_by=1 if average else zero1_divisor(self.optimizer, dp_group))
         if self.has_moe_layers:
             dp_world = tdist.get_world_size(groups._get_data_parallel_group())
             for name, grads in sorted(expert.items()):
-                reducer.reduce(list(grads), group=groups._get_expert_data_parallel_group(name), key=("expert", name),
-                               hierarchical=False, divide_by=dp_world if average else 1, **at)
+                group = groups._get_expert_data_parallel_group(name)
+                reducer.reduce(list(grads), group=group, key=("expert", name), hierarchical=False,
+                               divide_by=dp_world if average else 1,
+                               divided_later_by=1 if average else zero1_divisor(self.optimizer, group), **at)
         reducer.end_step()
 
     def _dense_by_storage(self, non_expert, expert):
@@ -294,6 +303,9 @@ def install(engine, section, *, node_of=None, log=print):
     if section.target == "momentum":
         inner = _inner_optimizer(engine)
         reducer.beta1 = check_momentum_optimizer(inner)
+        # the momentum is made of clipped gradients, as Adam's (GradientReducer._settle_momentum)
+        reducer.clip = float(engine.gradient_clipping() or 0.0)
+        reducer.copies = 2 if getattr(engine, "_pair_group", None) is not None else 1
         frozen = FrozenVarianceAdam(inner, reducer)
         inner.step = frozen.step
         engine.frozen_variance = frozen

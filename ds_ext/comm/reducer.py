@@ -34,6 +34,7 @@ a chunk's inter-node phase issue placeholders), so the FIFO driver cannot deadlo
 """
 
 import functools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, asdict
@@ -42,6 +43,14 @@ import torch
 import torch.distributed as tdist
 
 from .compressors import Collective, Dense, ScratchPool, make_compressor
+
+
+def _unflatten(flat, tensors):
+    """Copy consecutive pieces of ``flat`` into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 @dataclass
@@ -59,6 +68,7 @@ class ReduceStats:
     compressed_numel: int = 0
     calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
     dense: str = ""              # why this step went dense: "warm-up", or ""
+    clip_coef: float = 1.0       # target momentum under clipping: the coefficient the step's gradient took
 
     def line(self, name):
         return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
@@ -129,6 +139,13 @@ class GradientReducer:
         self.sent_momentum = False
         self.refreshed = False
         self.skipped = False
+        # target "momentum" under gradient clipping (set by install): the clip norm, how many
+        # ranks beyond the data-parallel ones hold each gradient (DualPipe's pairs: 2), and
+        # this step's squared-norm terms and momentum updates, settled at end_step
+        self.clip = 0.0
+        self.copies = 1
+        self._norm_terms = []
+        self._pending = []
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
@@ -136,6 +153,8 @@ class GradientReducer:
         self.skipped = False
 
     def end_step(self):
+        if self._pending:
+            self._settle_momentum()
         self.sent_momentum = self.momentum_step      # what the optimizer step after it is to do
         # a dense step after momentum steps: 0/1 Adam's variance refresh, which the
         # optimizer step takes with the momentum's step count (install.FrozenVarianceAdam)
@@ -178,12 +197,15 @@ class GradientReducer:
     # -- the reduction ------------------------------------------------------------------
     @torch.no_grad()
     def reduce(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True,
-               dense=()):
+               dense=(), divided_later_by=1):
         """Average ``grads`` (a list of tensors) over ``group`` in place: the sum over
         its ranks times 1 / ``divide_by``. ``dense``: ids of tensors in ``grads`` to send
-        uncompressed (``seekspeed.comm.dense_params``)."""
+        uncompressed (``seekspeed.comm.dense_params``). ``divided_later_by``: what
+        DeepSpeed divides the result by before its optimizer sees it (ZeRO 1's own
+        averaging), for the clipping norm of target momentum."""
         steps = self.reduce_steps(grads, group=group, divide_by=divide_by, key=key, hierarchical=hierarchical,
-                                  micro_step=micro_step, boundary=boundary, dense=dense)
+                                  micro_step=micro_step, boundary=boundary, dense=dense,
+                                  divided_later_by=divided_later_by)
         for works in steps:
             t0 = time.perf_counter()
             for work in works:
@@ -192,7 +214,7 @@ class GradientReducer:
 
     @torch.no_grad()
     def reduce_steps(self, grads, *, group, divide_by, key, hierarchical=True, micro_step=None, boundary=True,
-                     dense=()):
+                     dense=(), divided_later_by=1):
         """``reduce`` as a generator: it yields the collectives' work handles it would
         wait for next and carries on once they are done (the caller waits, or polls and
         resumes it later: ds_ext/pipe/grad_overlap.py), ending with ``grads`` averaged.
@@ -210,6 +232,16 @@ class GradientReducer:
         tasks, buffers = [], []
         scale = 1.0 / divide_by
         sending = self.momentum_step
+        clipping = self.section.target == "momentum" and self.clip > 0
+        if clipping:
+            # the optimizer sees what this returns / divided_later_by, f x the group's mean of
+            # the g_i: sending, each of the n ranks adds f^2 |g_i|^2 / n for its own
+            # gradient before the exchange; dense, |result / divided_later_by|^2 / n after
+            # it. The world's sum is, per tensor, the mean over its holders of the local
+            # squared norms, or the average's squared norm
+            members = tdist.get_world_size(group)
+            if sending:
+                self._add_norm_terms(grads, (members / (divide_by * divided_later_by)) ** 2 / members)
         if sending:     # the ranks' momenta, averaged below
             world = tdist.get_world_size(group)
             local, scale = (1.0 - self.beta1) * world * scale, 1.0 / world
@@ -255,15 +287,48 @@ class GradientReducer:
         if self.section.target == "momentum":
             if big:
                 buffers.append((big, result, (key, "compressed")))
-            self._update_momentum(buffers, checked=checked)
+            if clipping:      # M's update waits for the step's clip coefficient (end_step)
+                self._pending.append((buffers, checked))
+            else:
+                self._update_momentum(buffers, checked=checked)
         for tensors, buf, part in buffers:
             if buf is None or part[1] == "compressed":      # the chunks wrote their averages back
                 continue
-            offset = 0
-            for g in tensors:
-                g.copy_(buf[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _unflatten(buf, tensors)
+        if clipping and not sending:
+            self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
         self.stats.total_s += time.perf_counter() - start
+
+    def _add_norm_terms(self, tensors, weight):
+        """weight x the squared norm of ``tensors``, one fp32 sum a tensor."""
+        sq = [torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float32) ** 2 for t in tensors]
+        if sq:
+            self._norm_terms.append(torch.stack(sq).sum() * weight)
+
+    @torch.no_grad()
+    def _settle_momentum(self):
+        """Gradient clipping for target momentum. DeepSpeed clips what reaches its
+        optimizer, the averaged momentum M after the warm-up; Adam clips each gradient
+        before it enters the moments. So that M is made of clipped gradients as dense
+        Adam's momentum is, the step's gradient is scaled by c = min(1, clip / (norm +
+        1e-6)) (DeepSpeed's coefficient) before it enters M: on a dense step (warm-up,
+        refresh) the norm is the average's, DeepSpeed's own, and M <- b1 M + (1 - b1) c G
+        while DeepSpeed clips G for its optimizer itself; on a momentum step each rank's
+        gradient is only known locally, so the norm is the root mean square of the
+        ranks' local norms, an upper bound of the average's (|mean g_i|^2 <= mean
+        |g_i|^2), and since M_t = b1 M + (1 - b1) G is linear in G the clipped
+        momentum is c M_t + (1 - c) b1 M, formed after the exchange, returned to the
+        optimizer and kept. One scalar all-reduce over the world a step."""
+        pending, self._pending = self._pending, []
+        terms, self._norm_terms = self._norm_terms, []
+        device = next(t for buffers, _ in pending for tensors, _, _ in buffers for t in tensors).device
+        total = torch.stack(terms).sum().reshape(1) if terms else torch.zeros(1, device=device)
+        tdist.all_reduce(total)
+        norm = math.sqrt(max(float(total) / self.copies, 0.0)) if math.isfinite(float(total)) else math.inf
+        c = min(1.0, self.clip / (norm + 1e-6))
+        self.stats.clip_coef = c
+        for buffers, checked in pending:
+            self._update_momentum(buffers, checked=checked, clip_coef=c)
 
     def _chunk_task(self, comp, key, pieces, group, groups, index, scale, momentum=None):
         """One chunk: its pieces of the gradients copied into a chunk-sized scratch region
@@ -312,7 +377,7 @@ class GradientReducer:
         """buf (this rank's gradient) becomes its momentum b1 M + local x gradient."""
         buf.mul_(local).add_(self._momentum_of(part, buf.numel()), alpha=self.beta1)
 
-    def _update_momentum(self, buffers, checked=None):
+    def _update_momentum(self, buffers, checked=None, clip_coef=1.0):
         """After the exchange: the warm-up's M follows the dense average; after it the
         mean momentum is M; a non-finite step leaves M as it was (the optimizer skips it:
         DeepSpeed in the warm-up where it checks for overflow, FrozenVarianceAdam after).
@@ -326,10 +391,14 @@ class GradientReducer:
         if not finite:
             self.skipped = True
             return
+        c, b1 = clip_coef, self.beta1
         for tensors, buf, part in buffers:
             m = self.momentum.get(part)
             numel = buf.numel() if buf is not None else sum(t.numel() for t in tensors)
             if buf is not None and self.momentum_step:   # the mean becomes M; last step's M the next buffer
+                if c < 1.0:
+                    buf.mul_(c).add_(m, alpha=(1.0 - c) * b1)
+                    _unflatten(buf, tensors)
                 self.momentum[part] = buf
                 self._buffers[part if part[1] == "dense" else (part, "next")] = m
                 continue
@@ -338,14 +407,17 @@ class GradientReducer:
                 m = self.momentum[part] = torch.empty(numel, dtype=torch.float32, device=tensors[0].device)
             offset = 0
             for t in ([buf] if buf is not None else tensors):
-                mine, t = m[offset:offset + t.numel()], t.reshape(-1)
+                mine, flat = m[offset:offset + t.numel()], t.reshape(-1)
                 offset += t.numel()
-                if self.momentum_step:
-                    mine.copy_(t)
+                if self.momentum_step and c < 1.0:
+                    mine.mul_((1.0 - c) * b1).add_(flat, alpha=c)
+                    t.copy_(mine.view_as(t))
+                elif self.momentum_step:
+                    mine.copy_(flat)
                 elif fresh:
-                    torch.mul(t, 1.0 - self.beta1, out=mine)           # Adam's zero start
+                    torch.mul(flat, (1.0 - b1) * c, out=mine)           # Adam's zero start
                 else:
-                    mine.mul_(self.beta1).add_(t, alpha=1.0 - self.beta1)
+                    mine.mul_(b1).add_(flat, alpha=(1.0 - b1) * c)
 
     def _flat(self, key, tensors):
         """The tensors concatenated in fp32, in a buffer kept from the last step (a

@@ -399,10 +399,10 @@ class GradOverlap:
         if self.engine.timeline is not None:
             self.engine.timeline.record("WaitGradReduce", {}, start, end)
         e = self.engine
+        if e.grad_reducer is not None:     # before ZeRO 1 divides: it may still change what was reduced
+            e.grad_reducer.end_step()
         if self.path == "zero1":
             e._zero1_local_reduce(divide=e.grad_reducer is not None)
-        if e.grad_reducer is not None:
-            e.grad_reducer.end_step()
         self.triggers = {}
         return self.last_wait_s
 
@@ -465,6 +465,8 @@ class GradOverlap:
 
     def _compressed_job(self, chunk, non_expert, expert):
         from deepspeed.utils import groups
+
+        from ds_ext.comm.install import zero1_divisor
         e = self.engine
         reducer = e.grad_reducer
         if not self.step_started:
@@ -480,13 +482,17 @@ class GradOverlap:
         yield from _wrap_reducer(reducer.reduce_steps([g for _, g in non_expert], group=dp_group,
                                                       key="dense" if chunk == 0 else ("dense", chunk),
                                                       divide_by=dist.get_world_size(dp_group) if average else 1,
-                                                      **at))
+                                                      divided_later_by=1 if average else
+                                                      zero1_divisor(e.optimizer, dp_group), **at))
         if expert:
             dp_world = dist.get_world_size(groups._get_data_parallel_group())
             for name, items in sorted(expert.items()):
+                group = groups._get_expert_data_parallel_group(name)
                 yield from _wrap_reducer(reducer.reduce_steps(
-                    [g for _, g in items], group=groups._get_expert_data_parallel_group(name),
-                    key=("expert", name) if chunk == 0 else (("expert", name), chunk), hierarchical=False, divide_by=dp_world if average else 1, **at))
+                    [g for _, g in items], group=group,
+                    key=("expert", name) if chunk == 0 else (("expert", name), chunk), hierarchical=False,
+                    divide_by=dp_world if average else 1,
+                    divided_later_by=1 if average else zero1_divisor(e.optimizer, group), **at))
 
 
 def dualpipe_issue_points(rank, stages, mine, partners):
