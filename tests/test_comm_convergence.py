@@ -11,7 +11,8 @@ final loss (mean of the last 20 steps) over seeds 0-5 and 1234 at these 60 steps
 2.4933 to 2.5938, so two seeds of the same dense run end up to 4.03 % apart
 (2.5938 / 2.4933 - 1; the standard deviation is 1.56 %). A compressed run that ends
 within that of its uncompressed twin is as close as a reseeding moves the loss; more is
-a compression defect. Measured (AMD EPYC Zen 4, AVX-512): momentum-sign against
+a compression defect. Measured (AMD EPYC Zen 4, AVX-512), before the momentum was made
+of clipped gradients (commit daabc3b; this test passes after it): momentum-sign against
 momentum-fp32 on the same seed -3.59 % to +0.65 % over those 7 seeds (seed 1234, this
 test's: -0.05 %):
 `python benchmarks/compression_convergence.py --runs none momentum-sign --steps 60
@@ -22,8 +23,8 @@ compression_adamw_60steps_spread.json) and `--runs momentum-fp32 ...`
 Against dense itself the momentum mode is not within that spread at this length: freezing
 the variance after 20 steps costs up to +17.2 % (momentum-fp32, seed 4) and momentum-sign
 ends -0.21 % to +16.2 % from dense (150 steps: -1.45 % to +21.5 %,
-compression_adamw_150steps_spread.json); the 300-step runs with a 60-step warm-up end
-below dense on every seed (benchmarks/results/compression_adamw.json). How long the
+compression_adamw_150steps_spread.json; both before daabc3b); at 300 steps with a 60-step
+warm-up see benchmarks/results/compression_adamw.json. How long the
 variance must warm up is the schedule's question (0/1 Adam's adaptive freezing), not the
 compressor's, so it is the benchmark's to measure, not this test's.
 
