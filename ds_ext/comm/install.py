@@ -53,9 +53,12 @@ def _local_predivide(opt, tensor, communication_data_type):
     return tensor
 
 
-def zero1_divisor(opt, group):
-    """What DeepSpeed's ZeRO 1 divides a gradient summed over ``group`` by (its
-    averaging, which runs after the compressed sum)."""
+def divided_later_by(opt, group, average):
+    """What DeepSpeed divides a gradient reduced over ``group`` by before its optimizer
+    sees it: nothing when the reduction averages (``average``), else ZeRO 1's own
+    averaging, which runs after the compressed sum."""
+    if average:
+        return 1
     return tdist.get_world_size(group=group) / float(getattr(opt, "sequence_parallel_size", 1))
 
 
@@ -101,14 +104,14 @@ class CompressedReduction:
         dp_group = self.mpu.get_data_parallel_group()
         reducer.reduce(list(non_expert), group=dp_group, key="dense", **at,
                        divide_by=tdist.get_world_size(dp_group) if average else 1,
-                       divided_later_by=1 if average else zero1_divisor(self.optimizer, dp_group))
+                       divided_later_by=divided_later_by(self.optimizer, dp_group, average))
         if self.has_moe_layers:
             dp_world = tdist.get_world_size(groups._get_data_parallel_group())
             for name, grads in sorted(expert.items()):
                 group = groups._get_expert_data_parallel_group(name)
                 reducer.reduce(list(grads), group=group, key=("expert", name), hierarchical=False,
                                divide_by=dp_world if average else 1,
-                               divided_later_by=1 if average else zero1_divisor(self.optimizer, group), **at)
+                               divided_later_by=divided_later_by(self.optimizer, group, average), **at)
         reducer.end_step()
 
     def _dense_by_storage(self, non_expert, expert):

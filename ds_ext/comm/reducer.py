@@ -232,19 +232,17 @@ class GradientReducer:
         tasks, buffers = [], []
         scale = 1.0 / divide_by
         sending = self.momentum_step
+        members = tdist.get_world_size(group)
+        # the optimizer sees what this returns / divided_later_by, f x the group's mean of
+        # the g_i: sending, each of the n ranks adds f^2 |g_i|^2 / n for its own gradient
+        # before the exchange; dense, |result / divided_later_by|^2 / n after it. The
+        # world's sum is, per tensor, the mean over its holders of the local squared
+        # norms, or the average's squared norm
         clipping = self.section.target == "momentum" and self.clip > 0
-        if clipping:
-            # the optimizer sees what this returns / divided_later_by, f x the group's mean of
-            # the g_i: sending, each of the n ranks adds f^2 |g_i|^2 / n for its own
-            # gradient before the exchange; dense, |result / divided_later_by|^2 / n after
-            # it. The world's sum is, per tensor, the mean over its holders of the local
-            # squared norms, or the average's squared norm
-            members = tdist.get_world_size(group)
-            if sending:
-                self._add_norm_terms(grads, (members / (divide_by * divided_later_by)) ** 2 / members)
+        if clipping and sending:
+            self._add_norm_terms(grads, (members / (divide_by * divided_later_by)) ** 2 / members)
         if sending:     # the ranks' momenta, averaged below
-            world = tdist.get_world_size(group)
-            local, scale = (1.0 - self.beta1) * world * scale, 1.0 / world
+            local, scale = (1.0 - self.beta1) * members * scale, 1.0 / members
         if small:
             buf = self._flat((key, "dense"), small)
             if sending:
@@ -321,10 +319,14 @@ class GradientReducer:
         optimizer and kept. One scalar all-reduce over the world a step."""
         pending, self._pending = self._pending, []
         terms, self._norm_terms = self._norm_terms, []
-        device = next(t for buffers, _ in pending for tensors, _, _ in buffers for t in tensors).device
-        total = torch.stack(terms).sum().reshape(1) if terms else torch.zeros(1, device=device)
+        if terms:
+            total = torch.stack(terms).sum().reshape(1)
+        else:       # this rank reduced no gradients this step; the all-reduce is the world's
+            from deepspeed.accelerator import get_accelerator
+            total = torch.zeros(1, device=get_accelerator().current_device_name())
         tdist.all_reduce(total)
-        norm = math.sqrt(max(float(total) / self.copies, 0.0)) if math.isfinite(float(total)) else math.inf
+        squared = float(total) / self.copies
+        norm = math.sqrt(squared) if math.isfinite(squared) else math.inf
         c = min(1.0, self.clip / (norm + 1e-6))
         self.stats.clip_coef = c
         for buffers, checked in pending:

@@ -466,7 +466,7 @@ class GradOverlap:
     def _compressed_job(self, chunk, non_expert, expert):
         from deepspeed.utils import groups
 
-        from ds_ext.comm.install import zero1_divisor
+        from ds_ext.comm.install import divided_later_by
         e = self.engine
         reducer = e.grad_reducer
         if not self.step_started:
@@ -482,8 +482,8 @@ class GradOverlap:
         yield from _wrap_reducer(reducer.reduce_steps([g for _, g in non_expert], group=dp_group,
                                                       key="dense" if chunk == 0 else ("dense", chunk),
                                                       divide_by=dist.get_world_size(dp_group) if average else 1,
-                                                      divided_later_by=1 if average else
-                                                      zero1_divisor(e.optimizer, dp_group), **at))
+                                                      divided_later_by=divided_later_by(e.optimizer, dp_group,
+                                                                                        average), **at))
         if expert:
             dp_world = dist.get_world_size(groups._get_data_parallel_group())
             for name, items in sorted(expert.items()):
@@ -492,7 +492,7 @@ class GradOverlap:
                     [g for _, g in items], group=group,
                     key=("expert", name) if chunk == 0 else (("expert", name), chunk), hierarchical=False,
                     divide_by=dp_world if average else 1,
-                    divided_later_by=1 if average else zero1_divisor(e.optimizer, group), **at))
+                    divided_later_by=divided_later_by(e.optimizer, group, average), **at))
 
 
 def dualpipe_issue_points(rank, stages, mine, partners):
