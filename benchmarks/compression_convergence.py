@@ -58,6 +58,15 @@ RUNS = {
     "momentum-sign-01-k4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 4},
     "momentum-sign-01-k1-f64": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                 "var_freeze_step": 64},
+    # kappa 1 frozen after 64: the schedule alone; sign with a scale every 32 entries (1 + 1 bit
+    # an entry instead of 1 + 1/8); sign with the embedding and output head sent dense
+    "momentum-fp32-01-k1-f64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
+                                "var_freeze_step": 64},
+    "momentum-sign-01-k1-f64-b32": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                    "var_freeze_step": 64, "block_size": 32},
+    "momentum-sign-01-k1-f64-dense-emb": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                          "var_freeze_step": 64,
+                                          "dense_params": ["*embed_tokens.weight", "*lm_head.weight"]},
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
