@@ -16,6 +16,7 @@ def pytest_sessionstart(session):
     # ranks and launchers the tests spawn: no test reads or writes the user's caches.
     import tempfile
     cache = tempfile.mkdtemp(prefix="seekspeed-test-cache-")
+    session.config._seekspeed_cache = cache      # removed when the session ends
     os.environ.setdefault("SEEKSPEED_CACHE", os.path.join(cache, "seekspeed"))
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(cache, "hf-datasets"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,3 +24,10 @@ def pytest_sessionstart(session):
     # builds them); load or build both here, so that no multi-rank test spends its timeout on them.
     from ds_ext.comm import kernels
     kernels.build_all()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+    cache = getattr(session.config, "_seekspeed_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)

@@ -23,6 +23,7 @@ which a comparison that holds only by the luck of one CPU's kernels does not sur
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import shutil
 import tempfile
 import time
 import traceback
@@ -141,6 +142,7 @@ def run_ranks(fn, *, world_size, args=(), timeout=180, env=None, init_dist=True)
             if p.is_alive():
                 p.kill()
                 p.join()
+    failure = None
     if errors or len(done) < world_size:
         missing = [r for r in range(world_size) if r not in done and r not in errors]
         parts = []
@@ -150,5 +152,8 @@ def run_ranks(fn, *, world_size, args=(), timeout=180, env=None, init_dist=True)
             parts.append(f"--- rank {r} failed:\n{errors[r]}")
         for r in sorted(set(errors) | set(missing)):
             parts.append(f"--- rank {r} output (tail):\n{_tail(logs[r])}")
-        raise RankFailure("\n".join(parts))
+        failure = "\n".join(parts)
+    shutil.rmtree(logdir, ignore_errors=True)     # the ranks are gone; their tails are in the message
+    if failure is not None:
+        raise RankFailure(failure)
     return [done[r] for r in range(world_size)]

@@ -12,7 +12,7 @@ after a dense warm-up, each rank's momentum sent compressed with error feedback)
 - the momentum made of clipped gradients, as DeepSpeed's AdamW makes it, under 1f1b and
   under DualPipe (whose ranks hold two stages' copies);
 - the refusals: another optimizer, Adam's L2 decay, no warm-up.
-About 95 s."""
+About 40 s."""
 
 import numpy as np
 import pytest
