@@ -247,10 +247,11 @@ def _same_data_pair(comm, kw):
 
 
 CLIP_CASES = {
-    "1f1b": (2, dict(stages=1, schedule="1f1b")),
+    # (world, layout, the largest clip coefficient expected: the clip far under the norm)
+    "1f1b": (2, dict(stages=1, schedule="1f1b"), 1e-3),
     # each rank holds two stages' copies whose gradients are summed: the squared norms
     # the world adds count every element twice (the reducer's ``copies``)
-    "dualpipe-2x2": (4, dict(stages=2, schedule="dualpipe")),
+    "dualpipe-2x2": (4, dict(stages=2, schedule="dualpipe"), 2e-3),
 }
 
 
@@ -269,13 +270,13 @@ def test_momentum_is_made_of_clipped_gradients_as_adams(case):
     shrink by b1. A momentum of unclipped gradients, or a norm on another scale than the
     optimizer's (ZeRO 1 divides the sum after the reduction), is off by far more."""
     comm = {"compressor": "fp32", "target": "momentum", "warmup_steps": 2, "min_numel": 256}
-    world, layout = CLIP_CASES[case]
+    world, layout, largest = CLIP_CASES[case]
     kw = dict(zero=1, precision="fp32", steps=3, overrides={}, clip=2e-3, **layout)
     b1 = 0.9
     for r in run_ranks(_same_data_pair, world_size=world, args=(comm, kw), timeout=300):
         ours, ds = r["ours"], r["ds"]
         assert ours["losses"] == ds["losses"]       # the warm-up is DeepSpeed's own; step 3's loss comes before it
-        assert all(c < 2e-3 for c in ours["clip_coefs"]), ours["clip_coefs"]
+        assert all(c < largest for c in ours["clip_coefs"]), ours["clip_coefs"]
         n = ours["numel"]
         for got, m1, m2, want in zip(ours["momenta"][2], *(ds["momenta"][step] for step in range(3))):
             seq = [np.asarray(x, dtype=np.float64) for x in (m1, m2, want)]
