@@ -13,7 +13,9 @@ warm-up). --seeds runs each once per seed; rows carry run, seed, final_loss,
 dense_final_loss (the same seed's dense run), bytes_per_step (sent per rank per step after
 the warm-up; DeepSpeed's dense: a ring all-reduce's), dense_bytes_per_step and
 run_bytes_per_step, bytes_total and dense_bytes_total (every step, dense warm-up and 0/1
-Adam's variance refreshes included; DeepSpeed's dense: a ring all-reduce's) and steps.
+Adam's variance refreshes included; DeepSpeed's dense: a ring all-reduce's) and steps; target
+momentum rows also clipped_steps (momentum steps whose clip coefficient was below 1: M kept
+in fp32 after them) and momentum_codes_steps (M kept as the compressor's codes after them).
 About 1.5 minutes a run of 300 steps on 2 cores.
 
     python benchmarks/compression_convergence.py --seeds 0 1 2 --runs none int4-ef momentum-sign ... \
@@ -121,6 +123,9 @@ def run_one(name, comm, args, tmp):
         # every step's bytes, the dense ones (warm-up, refreshes) through the same path included
         row["bytes_total"] = statistics.mean(r["wire_bytes"] for r in out["comm"]["per_rank_total"])
         row["compress_ms_per_step"] = statistics.mean(r["compress_s"] + r["decompress_s"] for r in ranks) * 1e3
+        if comm.get("target") == "momentum":    # momentum steps clipped (M in fp32 after them) or kept as codes
+            totals = out["comm"]["per_rank_total"][0]
+            row["clipped_steps"], row["momentum_codes_steps"] = totals["clipped"], totals["momentum_codes"]
     return row
 
 

@@ -479,27 +479,128 @@ def test_sign_momentum_encoding_kernel_is_the_torch_ops_bit_for_bit(with_worker)
     assert ((formed[:n].double() - x).abs() <= gamma(3) * size).all()
 
 
+@pytest.mark.parametrize("with_worker", [True, False])
+def test_momentum_kept_as_codes_encodes_as_its_decoding_bit_for_bit(with_worker):
+    """M kept as the all-gather delivered it (a codec's scales and codes on the encoding's
+    block grid) forms and encodes this rank's momentum bit for bit as its fp32 decoding
+    does: sign through the C++ kernel (reading M's bits) and through torch ops, int4
+    through torch ops; the formed momentum, codes and scales (the torch ops' own, summed
+    in the same order) identical, the kernel's scales within its summation order's
+    bound as in test_sign_momentum_encoding_kernel_is_the_torch_ops_bit_for_bit."""
+    from ds_ext.comm.compressors import _Int4Codec, _SignCodec
+    g = torch.Generator().manual_seed(5)
+    n, block, blocks = 5000, 64, 80                     # 5120 padded: the last block is part tail
+    grad = torch.randn(n, generator=g) * torch.logspace(-4, 1, n)
+    w = torch.randn(blocks * block, generator=g) * 1e-3 if with_worker else None
+    for codec, kernels in ((_SignCodec, ("torch", "fused")), (_Int4Codec, ("torch",))):
+        kept = codec(kernel="torch").encode(torch.randn(blocks, block, generator=g) * 0.1)
+        decoded = codec(kernel="torch").decode_into(*kept, torch.empty(blocks, block)).view(-1)[:n]
+        out = {}
+        for kernel in kernels:
+            for m in (decoded, kept):
+                rows = torch.full((blocks, block), float("nan"))
+                scales, codes = codec(kernel=kernel).encode_momentum(rows, grad, m, w, local=0.2, beta1=0.9)
+                out[kernel, type(m)] = (rows, codes, scales)
+        reference = out["torch", torch.Tensor]
+        for (kernel, kind), (rows, codes, scales) in out.items():
+            torch.testing.assert_close(rows, reference[0], rtol=0, atol=0)
+            torch.testing.assert_close(codes, reference[1], rtol=0, atol=0)
+            if kernel == "torch":
+                torch.testing.assert_close(scales, reference[2], rtol=0, atol=0)
+            else:
+                np.testing.assert_allclose(scales, reference[2], rtol=2 * gamma(block))
+
+
+def _kept_momentum_rank(compressor, kernel, dtype):
+    """Two reducers on the same gradients, target momentum with clipping and 0/1 Adam's
+    refreshes (warm-up 2, kappa 1: dense steps 1, 2, 4 and 8, momentum steps 3, 5-7, 9):
+    one keeps M as its compressor delivers it, the other has M decoded to fp32 after every
+    step. Returns the steps on which their gradients or M differ, how M was kept after
+    each step, and the steps whose clip coefficient was below 1."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    world, me = tdist.get_world_size(), tdist.get_rank()
+    reducers = [GradientReducer(_section(compressor=compressor, target="momentum", warmup_steps=2,
+                                         var_update_scaler=1, min_numel=1000, chunk_mb=0.125, kernel=kernel),
+                                node_of=[0] * world) for _ in range(2)]
+    for r in reducers:
+        r.beta1, r.clip = 0.9, 2200.0     # the mean of 2 ranks |g_i| ~ 400 (1 + step): biting from step 6
+    shapes, differ, kept, clipped = [(256, 300), (5000,), (300, 257)], [], [], []
+    part = ("dense", "compressed")
+    for step in range(9):
+        out = []
+        for i, r in enumerate(reducers):
+            # the norm grows with the step, so that the clip starts biting part way
+            grads = [(g * (1 + step)).to(dtype) for g in _grads(me, shapes, seed=step)]
+            r.begin_step()
+            r.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+            r.end_step()
+            if i == 1:
+                r.momentum[part] = r.momentum_tensor(part).clone()
+            out.append(grads)
+        packed, dense = reducers
+        kept.append(type(packed.momentum[part]).__name__)
+        if packed.stats.clip_coef < 1:
+            clipped.append(step + 1)
+        same = all(torch.equal(a, b) for a, b in zip(*out))
+        same &= all(torch.equal(packed.momentum_tensor(k), dense.momentum[k]) for k in dense.momentum)
+        if not same:
+            differ.append(step + 1)
+    return {"differ": differ, "kept": kept, "clipped": clipped}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("compressor, kernel, dtype", [("sign", "fused", torch.float32), ("sign", "torch", torch.bfloat16),
+                                                       ("int4", "auto", torch.float32)])
+def test_momentum_kept_as_codes_is_bitwise_the_fp32_momentum(compressor, kernel, dtype):
+    """Keeping M after a momentum step as the compressor's scales and codes (a bit an
+    entry with sign, instead of 32) changes nothing: gradients and M bitwise those of the
+    same reducer whose M is decoded to fp32 after every step, over dense warm-up steps, a
+    momentum step, a variance refresh after it (M decoded again), momentum steps whose clip
+    coefficient is 1 and below it (M then mixed with the M before it, in fp32), 2 ranks,
+    chunks, the kernel's and the torch ops' passes, fp32 and bf16 gradients."""
+    for r in run_ranks(_kept_momentum_rank, world_size=2, args=(compressor, kernel, dtype)):
+        assert r["differ"] == [], r
+        assert r["kept"][2] == "dict" and r["kept"][3] == "Tensor", r      # kept as codes; a refresh's fp32
+        assert 1 < len(r["clipped"]) < 6 and r["clipped"][-1] == 9, r     # steps of both kinds, clipped ones last
+        assert any(r["kept"][s - 1] == "dict" for s in (3, 5, 6, 7, 9) if s not in r["clipped"]), r
+
+
 def _held_bytes_rank(compressor, target, chunk_mb, depth, residual="fp32"):
-    """Bytes the reducer and its compressor hold after 4 steps (the last two sending
-    momentum under target momentum), all tensors at least min_numel."""
+    """Bytes the reducer and its compressor hold after 4 compressed steps, all tensors at
+    least min_numel; under target momentum after 8 steps: the dense warm-up (1, 2), momentum
+    steps (3, 5-7) and variance refreshes (4, 8; 0/1 Adam, kappa 1), ending on a refresh:
+    the most it holds, M in fp32 again beside the residuals and the scratch the momentum
+    steps pooled (between them M is kept as the compressor's codes)."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     world = tdist.get_world_size()
-    reducer = GradientReducer(_section(compressor=compressor, target=target, warmup_steps=2 if target == "momentum"
-                                       else 0, min_numel=1000, chunk_mb=chunk_mb, pipeline_depth=depth,
-                                       residual_dtype=residual),
+    momentum = {"warmup_steps": 2, "var_update_scaler": 1} if target == "momentum" else {"warmup_steps": 0}
+    reducer = GradientReducer(_section(compressor=compressor, target=target, min_numel=1000, chunk_mb=chunk_mb,
+                                       pipeline_depth=depth, residual_dtype=residual, **momentum),
                               node_of=[0] * world)
     reducer.beta1 = 0.9
-    shapes = [(256, 300), (5000,), (300, 257)]
-    for step in range(4):
+    # tensors shorter than a chunk: every chunk spans two and goes through chunk scratch
+    shapes = [(100, 300)] * 5 + [(5000,)]
+    for step in range(8 if target == "momentum" else 4):
         grads = _grads(tdist.get_rank(), shapes, seed=step)
         reducer.begin_step()
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         reducer.end_step()
+    assert target != "momentum" or reducer.stats.dense == "refresh"
     comp = reducer.compressor
     held = sum(t.numel() * t.element_size() for st in comp.state.values() for t in st.values())
     held += comp.pool.bytes() + reducer._scratch.bytes() + sum(t.numel() * 4 for t in reducer.momentum.values())
-    return {"held": held, "numel": sum(math.prod(s) for s in shapes), "dense_buffers": len(reducer._buffers)}
+    # one tensor of the same size: its chunks are exchanged in its own memory, no scratch
+    one = GradientReducer(reducer.section, node_of=[0] * world)
+    one.beta1 = 0.9
+    for step in range(3):
+        one.begin_step()
+        one.reduce([torch.cat([g.reshape(-1) for g in _grads(tdist.get_rank(), shapes, seed=step)])],
+                   group=tdist.group.WORLD, divide_by=world, key="dense")
+        one.end_step()
+    return {"held": held, "numel": sum(math.prod(s) for s in shapes), "dense_buffers": len(reducer._buffers),
+            "one_tensor_scratch": one._scratch.bytes(), "one_tensor_steps": one.steps}
 
 
 @pytest.mark.multirank
@@ -508,7 +609,9 @@ def _held_bytes_rank(compressor, target, chunk_mb, depth, residual="fp32"):
 def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target, residual):
     """ds_ext.comm.traffic.state_bytes (the planner's comm state) against the bytes the
     reducer and its compressor hold after training steps (residuals, pooled scratch,
-    the momentum): 2 ranks, 5 chunks of 32768 entries (the last shorter), 2 in flight.
+    the momentum): 2 ranks, 5 chunks of 32768 entries (the last shorter), 2 in flight,
+    each spanning two tensors (the chunk scratch the planner counts, an upper bound: a
+    chunk inside one fp32 tensor takes none, checked on one tensor of the same size).
     The planner does not count the two-phase padding (each chunk's segments are rounded
     up to whole blocks: at most world x block entries a chunk, for the worker residual and
     each pooled input, one block for the server residual and each pooled sum and tail;
@@ -528,6 +631,7 @@ def test_the_planners_comm_state_is_what_the_reducer_holds(compressor, target, r
     padding = (kept * chunks + 4 * depth * (2 if target == "momentum" and kept != 4 else 1)) * (world + 2) * block
     for r in ranks:
         assert r["dense_buffers"] == 0
+        assert r["one_tensor_scratch"] == 0 and r["one_tensor_steps"] == 3
         assert planned - 4 * depth * 2 * chunk / world <= r["held"] <= planned + padding, (r["held"], planned, padding)
 
 
@@ -563,7 +667,7 @@ def _bf16_residual_rank(compressor, target, kernel):
             out[dtype] = grads
         narrow = reducers["bf16"].compressor.state
         same = all(torch.equal(a, b) for a, b in zip(out["bf16"], out["fp32"]))
-        same &= all(torch.equal(reducers["bf16"].momentum[k], reducers["fp32"].momentum[k])
+        same &= all(torch.equal(reducers["bf16"].momentum_tensor(k), reducers["fp32"].momentum_tensor(k))
                     for k in reducers["fp32"].momentum)
         same &= all(narrow[k][name].dtype == torch.bfloat16 and torch.equal(narrow[k][name],
                                                                              wide[k][name].bfloat16())
@@ -614,7 +718,7 @@ def _fused_momentum_rank(dtype):
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         reducer.end_step()
     chunks = math.ceil(sum(math.prod(s) for s in shapes) / reducer.chunk_numel)
-    m = reducer.momentum[("dense", "compressed")]
+    m = reducer.momentum_tensor(("dense", "compressed"))
     return {"calls": calls, "chunks": chunks, "m_dtype": str(m.dtype), "grad_dtype": str(grads[0].dtype),
             "m": m.clone(), "grads": torch.cat([g.reshape(-1).float() for g in grads])}
 
@@ -624,9 +728,10 @@ def _fused_momentum_rank(dtype):
 def test_target_momentum_is_formed_in_the_codecs_pass_and_kept_in_fp32(dtype):
     """With target momentum the two-phase compressor forms b1 M + (1 - b1) x g in its
     encoding pass (one encode_momentum a chunk on each momentum step, none in the dense
-    warm-up), and M stays fp32 when the gradients are bf16: the gradients get the mean
-    momentum rounded to their dtype, M keeps it unrounded (bf16's 8 bits of mantissa
-    would otherwise be what the next step's momentum starts from)."""
+    warm-up), and M stays unrounded when the gradients are bf16 (kept as the codes, which
+    decode to the fp32 mean): the gradients get the mean momentum rounded to their dtype,
+    M does not (bf16's 8 bits of mantissa would otherwise be what the next step's momentum
+    starts from)."""
     from ds_ext.comm.compressors import TwoPhase
     assert TwoPhase.fuses_momentum
     for r in run_ranks(_fused_momentum_rank, world_size=2, args=(dtype,)):

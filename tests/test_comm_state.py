@@ -12,10 +12,11 @@ settings fingerprint; what
 with a one-line warning naming what is lost, drop the state for compressor none).
 Two gloo ranks through the trainer (2 data-parallel replicas, tiny), for each section of
 COMM_CASES (sampled top-k with error feedback after one dense step; target momentum with
-sign): an uninterrupted 4-step run (DeepSpeed's engine, checkpoints at 2 and 4), resumed
-from step 2 (RESUMES: top-k with each engine, momentum with the asynchronous one): the same
-losses and, at step 4, the same compression state, bitwise (same arithmetic in the same
-order); the residuals at step 2 are not zero and the generator has moved, and a resume
+sign): an uninterrupted 4-step run (DeepSpeed's engine, checkpoints at 2 and 4; the
+momentum at 3, after a momentum step, and 4), resumed from there (RESUMES: top-k with each
+engine, momentum with the asynchronous one): the same losses and, at step 4, the same
+compression state, bitwise (same arithmetic in the same order); the residuals at the
+resumed step are not zero and the generator has moved, and a resume
 that drops the state (on_mismatch restart) gives another loss. About 65 s on 2 cores:
 six 2-rank training runs of about 10 s each, most of it start-up."""
 
@@ -197,26 +198,33 @@ def test_resume_loads_restarts_or_drops():
 # the seekspeed.comm sections a resumed run is checked under, one test case each
 COMM_CASES = {
     "topk-sampled-error-feedback": TOPK | {"warmup_steps": 1, "min_numel": 2048},
-    # the momentum (the reducer's M), sign's worker and server residuals; the frozen
-    # variance and its step count are in DeepSpeed's optimizer state; 0/1 Adam's refreshes
-    # (kappa 1: steps 1, 2 and 4, the last after a momentum step, so after the resume at 2)
-    # follow from the reducer's step count; the residuals kept in bf16 (an fp32 residual is
-    # saved as top-k's is, a tensor as it stands)
+    # the momentum (the reducer's M: after the momentum step 3, where it is resumed, kept as
+    # sign's codes), sign's worker and server residuals; the frozen variance and its step
+    # count are in DeepSpeed's optimizer state; 0/1 Adam's refreshes (kappa 1: steps 1, 2
+    # and 4, the last after the resume, decoding M) follow from the reducer's step count;
+    # the residuals kept in bf16 (an fp32 residual is saved as top-k's is, a tensor as it
+    # stands)
     "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "var_update_scaler": 1,
                       "min_numel": 2048, "residual_dtype": "bf16"},
 }
+# the step a case is checkpointed every and resumed at (else 2)
+RESUME_AT = {"sign-momentum": 3}
+# DeepSpeed settings a case changes: the momentum's clip far above the tiny runs' gradient
+# norms (about 8 at the first step), so that step 3 keeps M as sign's codes (a momentum
+# step that clips keeps it in fp32, as before: test_comm.py's kept-as-codes test)
+CASE_CONFIG = {"sign-momentum": {"gradient_clipping": 100.0}}
 # (case, engine) resumed: top-k with both engines, the momentum mode with the asynchronous one
 RESUMES = [("topk-sampled-error-feedback", "deepspeed"), ("topk-sampled-error-feedback", "async-zstd"),
            ("sign-momentum", "async-zstd")]
 
 
-def _cfg(tmp_path, name, comm, *, engine):
+def _cfg(tmp_path, name, comm, *, engine, interval=2, ds=None):
     def mutate(c):
-        c.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
+        c.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2, **(ds or {}))
         c["pipeline"]["stages"] = 1
         s = c["seekspeed"]
         s["data"]["seq_len"] = 32
-        s["checkpoint"].update(interval_steps=2, engine=engine)
+        s["checkpoint"].update(interval_steps=interval, engine=engine)
         s["comm"] = comm
     path = tmp_path / f"{name}.json"
     shutil.move(write_config(tmp_path, "tiny_cpu.json", mutate), path)
@@ -244,10 +252,13 @@ def _comm_files(tag_dir):
 
 def _tensors(state):
     """Every tensor of a saved reducer state (the compressor's, the reducer's dicts)."""
-    values = [v for _, st in state["compressor"] for v in st.values()]
-    values += [v for entries in state["attrs"].values() for _, x in entries
-               for v in (x.values() if isinstance(x, dict) else [x])]
-    return values
+    def inside(x):
+        if torch.is_tensor(x):
+            return [x]
+        return [t for v in (x.values() if isinstance(x, dict) else x) for t in inside(v)] \
+            if isinstance(x, (dict, list, tuple)) else []
+    return inside([st for _, st in state["compressor"]]) + inside([x for entries in state["attrs"].values()
+                                                                   for _, x in entries])
 
 
 def _same(a, b):
@@ -268,8 +279,11 @@ def _uninterrupted(case, tmp_path_factory):
     if case not in _UNINTERRUPTED:
         tmp = tmp_path_factory.mktemp(case)
         comm = COMM_CASES[case]
-        summary, _, _ = _train(_cfg(tmp, "full", comm, engine="deepspeed"), tmp / "full")
-        _UNINTERRUPTED[case] = {"tmp": tmp, "comm": comm, "dir": tmp / "full", "summary": summary}
+        at = RESUME_AT.get(case, 2)
+        ds = CASE_CONFIG.get(case)
+        summary, _, _ = _train(_cfg(tmp, "full", comm, engine="deepspeed", interval=at, ds=ds), tmp / "full")
+        _UNINTERRUPTED[case] = {"tmp": tmp, "comm": comm, "dir": tmp / "full", "summary": summary, "at": at,
+                                "ds": ds}
     return _UNINTERRUPTED[case]
 
 
@@ -277,18 +291,21 @@ def _uninterrupted(case, tmp_path_factory):
 @pytest.mark.parametrize("case, engine", RESUMES)
 def test_resume_restores_compression_state_bitwise(case, engine, tmp_path_factory):
     uninterrupted = _uninterrupted(case, tmp_path_factory)
-    full, tmp, comm = uninterrupted["dir"], uninterrupted["tmp"], uninterrupted["comm"]
+    full, tmp, comm, at = (uninterrupted[k] for k in ("dir", "tmp", "comm", "at"))
     # what the resumed run must get back (without it the losses differ: the restart test)
     fresh = torch.Generator().manual_seed(0).get_state()
-    for rank, saved in enumerate(_comm_files(full / "global_step2")):
-        assert saved["rank"] == rank and saved["state"]["steps"] == 2
+    for rank, saved in enumerate(_comm_files(full / f"global_step{at}")):
+        assert saved["rank"] == rank and saved["state"]["steps"] == at
         assert any(t.abs().sum() > 0 for t in _tensors(saved["state"]))
         assert saved["state"]["generator"] is None or not torch.equal(saved["state"]["generator"], fresh)
-    resumed, out, _ = _train(_cfg(tmp, f"resume-{engine}", comm, engine=engine), tmp / f"resumed-{engine}",
-                             resume_from=full)
-    assert resumed["start_step"] == 2
-    assert f"comm: every rank's compression state restored ({comm['compressor']}, 2 steps reduced)" in out
-    assert resumed["losses"] == uninterrupted["summary"]["losses"][2:]       # same arithmetic, same order: bitwise
+        if comm.get("target") == "momentum":        # M as sign's codes: packed bits and a scale a block
+            assert "dict" in [type(m).__name__ for _, m in saved["state"]["attrs"]["momentum"]]
+    resumed, out, _ = _train(_cfg(tmp, f"resume-{engine}", comm, engine=engine, interval=at,
+                                  ds=uninterrupted["ds"]),
+                             tmp / f"resumed-{engine}", resume_from=full, step=at)
+    assert resumed["start_step"] == at
+    assert f"comm: every rank's compression state restored ({comm['compressor']}, {at} steps reduced)" in out
+    assert resumed["losses"] == uninterrupted["summary"]["losses"][at:]      # same arithmetic, same order: bitwise
     tag = tmp / f"resumed-{engine}" / "global_step4"
     if engine == "async-zstd":   # staged, hashed and committed with the checkpoint
         manifest = json.loads((tag / "manifest.json").read_text())

@@ -366,10 +366,15 @@ class _BlockCodec:
         """``rows`` (the padded blocks) := local x g + beta1 x m (+ w, the worker
         residual), each product and sum rounded on its own, zero past g's length; then
         encoded as ``encode`` does. 1-bit Adam's momentum of this rank, formed where it
-        is encoded."""
+        is encoded. ``m``: fp32 entries, or (scales, codes) of this codec on ``rows``'
+        block grid (M as the all-gather delivered it), which stand for their decoding."""
         n, x = g.numel(), rows.view(-1)
-        torch.mul(g, local, out=x[:n])
-        x[:n].add_(torch.mul(m, beta1))
+        if isinstance(m, tuple):
+            self.decode_into(*m, rows)
+            x[:n].mul_(beta1).add_(torch.mul(g, local))     # b1 m + local g: the sum is the same either way round
+        else:
+            torch.mul(g, local, out=x[:n])
+            x[:n].add_(torch.mul(m, beta1))
         if w is not None:
             x[:n].add_(w[:n])
         x[n:].zero_()
@@ -440,9 +445,12 @@ class _SignCodec(_BlockCodec):
             return super().encode_momentum(rows, g, m, w, local=local, beta1=beta1, residual=residual)
         scales = torch.empty(rows.shape[0], device=rows.device)
         codes = torch.empty(rows.numel() // 8, dtype=torch.uint8, device=rows.device)
-        empty = torch.empty(0, device=rows.device)
-        module.encode_momentum(g, m, empty if w is None else w, rows.view(-1), scales, codes, rows.shape[1], local, beta1,
-                               residual)
+        w = torch.empty(0, device=rows.device) if w is None else w
+        if isinstance(m, tuple):        # M as sign's own scales and codes: read at a bit an entry
+            module.encode_momentum_packed(g, m[0], m[1], w, rows.view(-1), scales, codes, rows.shape[1], local,
+                                          beta1, residual)
+        else:
+            module.encode_momentum(g, m, w, rows.view(-1), scales, codes, rows.shape[1], local, beta1, residual)
         return scales, codes
 
     def decode_into(self, scales, codes, out, accumulate=False, factor=1.0):
@@ -482,7 +490,9 @@ class TwoPhase:
     phases = 2
     splittable = True
     # with target momentum the reducer hands over the gradient, M and the factors, and the
-    # codec forms the momentum in its encoding pass (``exchange(momentum=...)``)
+    # codec forms the momentum in its encoding pass (``exchange(momentum=...)``); the mean
+    # momentum it returns is this codec's scales and codes as the all-gather delivered them
+    # (``gathered``), which the reducer keeps as M instead of its fp32 decoding
     fuses_momentum = True
     # per chunk in flight: the encoded input, the decoded sum and the tail segment, and the
     # committed residuals handed back; 8 of a size covers 2 chunks in flight with room
@@ -499,6 +509,25 @@ class TwoPhase:
         # fresh gradient-sized allocation costs its page faults; one set per chunk in flight)
         self.pool = ScratchPool(per_size=self.POOL_PER_SIZE, sizes=self.POOL_SIZES)
         self.finite = {}        # key: whether its last exchange was finite (a non-finite one poisons the region)
+        self.gathered = {}      # key: with momentum, the mean momentum as (scales, codes) on the chunk's block grid
+
+    def decode_gathered(self, packed, out):
+        """``out`` (a chunk's entries, fp32) := the decoding of ``packed`` ((scales, codes)
+        from ``gathered``), whose last segment runs on past the chunk's end."""
+        scales, codes = packed
+        b = self.block_size
+        full = out.numel() // b * b
+        if full:
+            self.codec.decode_into(scales[:full // b], codes[:full // b * (b // self.codec.per_byte)],
+                                   out[:full].view(-1, b))
+        if full < out.numel():
+            tail = self.pool.take(b, out.device)
+            self.codec.decode_into(scales[full // b:full // b + 1],
+                                   codes[full // b * (b // self.codec.per_byte):(full // b + 1) * (b // self.codec.per_byte)],
+                                   tail.view(1, b))
+            out[full:].copy_(tail[:out.numel() - full])
+            self.pool.give(tail)
+        return out
 
     def wants(self, shape):
         return True
@@ -517,7 +546,9 @@ class TwoPhase:
 
     def exchange(self, key, region, views, group, scale=1.0, momentum=None):
         """``momentum`` (m, local, beta1): ``region`` holds this rank's gradient, and what
-        is averaged is its momentum local x region + beta1 x m."""
+        is averaged is its momentum local x region + beta1 x m (m: fp32 entries, or the
+        (scales, codes) ``gathered`` left for this key on the step before); the mean is
+        left in ``gathered[key]`` as well (when finite)."""
         world = torch.distributed.get_world_size(group)
         n, b = region.numel(), self.block_size
         seg = self._segment(n, world)
@@ -572,6 +603,10 @@ class TwoPhase:
         self.state[key] = st
         self.pool.give(tail)
         self.finite[key] = finite
+        self.gathered.pop(key, None)
+        if momentum is not None and finite:
+            self.gathered[key] = (torch.cat([p[:blocks * 4] for p in out]).view(torch.float32),
+                                  torch.cat([p[blocks * 4:] for p in out]))
         if not finite or not ef:
             self.pool.give(x)
             self.pool.give(summed.view(-1))

@@ -69,6 +69,8 @@ class ReduceStats:
     calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
     dense: str = ""              # why this step went dense: "warm-up", or ""
     clip_coef: float = 1.0       # target momentum under clipping: the coefficient the step's gradient took
+    clipped: int = 0             # 1: a momentum step whose clip coefficient was below 1 (M then kept in fp32)
+    momentum_codes: int = 0      # 1: M kept as the compressor's codes after this step
 
     def line(self, name):
         return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
@@ -258,11 +260,12 @@ class GradientReducer:
             # without the hierarchy (whose in-node sum comes first) the compressor forms the
             # momentum in its encoding's pass: b1 M rides along with each chunk
             fuse = sending and groups is None and getattr(comp, "fuses_momentum", False)
-            m = self._momentum_of(part, numel) if sending else None
-            # the mean momentum is the next M, kept in fp32: read back from the gradients
-            # when they are fp32, else each chunk's region copied into an fp32 buffer
+            # fused, M is kept as the compressor's all-gather delivered it (scales and codes per
+            # chunk, which decode to exactly the fp32 mean); else in fp32: read back from the
+            # gradients when they are fp32, or each chunk's region copied into an fp32 buffer
+            m = self._momentum_of(part, numel, packed_ok=fuse) if sending else None
             result = None
-            if sending and any(g.dtype != torch.float32 for g in big):
+            if sending and not fuse and any(g.dtype != torch.float32 for g in big):
                 result = self._buffers.get((part, "next"))
                 if result is None or result.numel() != numel:
                     result = self._buffers[(part, "next")] = torch.empty(numel, dtype=torch.float32,
@@ -275,20 +278,26 @@ class GradientReducer:
                 mom = None
                 if sending:
                     span = slice(at, at + sum(n for _, _, n in pieces))
-                    mom = (m[span], local, self.beta1, fuse, None if result is None else result[span])
+                    mine = m["chunks"][c] if isinstance(m, dict) else m[span]
+                    mom = (mine, local, self.beta1, fuse, None if result is None else result[span])
                 tasks.append(self._chunk_task(comp, (key, c), pieces, group, groups, c, scale, momentum=mom))
                 if fuse:
                     fused.append((key, c))
         yield from self._drive(tasks)
+        packed = None
         if fused:
             checked = all(comp.finite[k] for k in fused)
+            gathered = [comp.gathered.pop(k, None) for k in fused]
+            if checked:
+                packed = {"chunks": gathered, "numel": [sum(n for _, _, n in pieces)
+                                                        for _, pieces in self._chunks(comp, big)]}
         if self.section.target == "momentum":
             if big:
                 buffers.append((big, result, (key, "compressed")))
             if clipping:      # M's update waits for the step's clip coefficient (end_step)
-                self._pending.append((buffers, checked))
+                self._pending.append((buffers, checked, packed))
             else:
-                self._update_momentum(buffers, checked=checked)
+                self._update_momentum(buffers, checked=checked, packed=packed)
         for tensors, buf, part in buffers:
             if buf is None or part[1] == "compressed":      # the chunks wrote their averages back
                 continue
@@ -329,25 +338,35 @@ class GradientReducer:
         norm = math.sqrt(squared) if math.isfinite(squared) else math.inf
         c = min(1.0, self.clip / (norm + 1e-6))
         self.stats.clip_coef = c
-        for buffers, checked in pending:
-            self._update_momentum(buffers, checked=checked, clip_coef=c)
+        self.stats.clipped = int(c < 1.0 and self.momentum_step)
+        for buffers, checked, packed in pending:
+            self._update_momentum(buffers, checked=checked, clip_coef=c, packed=packed)
 
     def _chunk_task(self, comp, key, pieces, group, groups, index, scale, momentum=None):
         """One chunk: its pieces of the gradients copied into a chunk-sized scratch region
         (from a pool: about ``pipeline_depth`` of them are in use at once, not a copy of
         the whole gradient), with target momentum the rank's momentum formed there (or,
-        ``fuse``, by the compressor), exchanged, and the average copied back."""
+        ``fuse``, by the compressor), exchanged, and the average copied back. A chunk that
+        lies inside one contiguous fp32 gradient is its own region: no copies."""
         numel = sum(n for _, _, n in pieces)
-        region = self._scratch.take(numel, pieces[0][0].device)
-        views, offset = [], 0
-        for g, lo, n in pieces:
-            if n == g.numel():
-                region[offset:offset + n].copy_(g.reshape(-1))
-                views.append(region[offset:offset + n] if comp.splittable else region[offset:offset + n].view(g.shape))
-            else:
-                region[offset:offset + n].copy_(g.view(-1)[lo:lo + n])
-                views.append(region[offset:offset + n])
-            offset += n
+        g, lo, n = pieces[0]
+        # a chunk inside one contiguous fp32 gradient is exchanged in the gradient's own memory
+        direct = len(pieces) == 1 and g.dtype == torch.float32 and g.is_contiguous()
+        if direct:
+            region = g.view(-1)[lo:lo + n]
+            views = [region if comp.splittable or n != g.numel() else region.view(g.shape)]
+        else:
+            region = self._scratch.take(numel, g.device)
+            views, offset = [], 0
+            for g, lo, n in pieces:
+                if n == g.numel():
+                    region[offset:offset + n].copy_(g.reshape(-1))
+                    views.append(region[offset:offset + n] if comp.splittable
+                                 else region[offset:offset + n].view(g.shape))
+                else:
+                    region[offset:offset + n].copy_(g.view(-1)[lo:lo + n])
+                    views.append(region[offset:offset + n])
+                offset += n
         mom, result = None, None
         if momentum is not None:
             m, local, beta1, fuse, result = momentum
@@ -358,6 +377,8 @@ class GradientReducer:
         yield from self._chunk(comp, key, region, views, group, groups, index, scale, momentum=mom)
         if result is not None:
             result.copy_(region)
+        if direct:
+            return
         offset = 0
         for g, lo, n in pieces:
             if n == g.numel():
@@ -367,25 +388,48 @@ class GradientReducer:
             offset += n
         self._scratch.give(region)
 
-    def _momentum_of(self, part, numel):
-        """M of ``part``, which must hold ``numel`` entries (this rank's gradients)."""
+    def _momentum_of(self, part, numel, packed_ok=False):
+        """M of ``part``, which must hold ``numel`` entries (this rank's gradients): an
+        fp32 tensor, or with ``packed_ok`` as it may be kept after a fused momentum step
+        ({"chunks": the compressor's (scales, codes) a chunk, "numel": entries a chunk})."""
         m = self.momentum.get(part)
-        if m is None or m.numel() != numel:
+        held = None if m is None else sum(m["numel"]) if isinstance(m, dict) else m.numel()
+        if held != numel:
             raise RuntimeError(f"comm target momentum: no warm-up momentum for {part!r} (the gradients reduced "
                                f"changed after the warm-up)")
+        if isinstance(m, dict) and not packed_ok:
+            m = self.momentum[part] = self._decode_momentum(m)
         return m
+
+    def _decode_momentum(self, packed):
+        """A kept {"chunks", "numel"} M as one fp32 tensor (bitwise the mean the step returned)."""
+        sizes = packed["numel"]
+        chunks = packed["chunks"]
+        out = torch.empty(sum(sizes), dtype=torch.float32, device=chunks[0][0].device)
+        at = 0
+        for chunk, n in zip(chunks, sizes):
+            self.compressor.decode_gathered(chunk, out[at:at + n])
+            at += n
+        return out
+
+    def momentum_tensor(self, part):
+        """M of ``part`` in fp32, however it is kept."""
+        m = self.momentum[part]
+        return self._decode_momentum(m) if isinstance(m, dict) else m
 
     def _local_momentum(self, part, buf, local):
         """buf (this rank's gradient) becomes its momentum b1 M + local x gradient."""
         buf.mul_(local).add_(self._momentum_of(part, buf.numel()), alpha=self.beta1)
 
-    def _update_momentum(self, buffers, checked=None, clip_coef=1.0):
+    def _update_momentum(self, buffers, checked=None, clip_coef=1.0, packed=None):
         """After the exchange: the warm-up's M follows the dense average; after it the
         mean momentum is M; a non-finite step leaves M as it was (the optimizer skips it:
         DeepSpeed in the warm-up where it checks for overflow, FrozenVarianceAdam after).
         ``buffers``: (tensors, their flat buffer or None: read the tensors, part);
         ``checked``: the compressed part's finiteness as its compressor saw it (the
-        decoded scales), or None to check it here."""
+        decoded scales), or None to check it here; ``packed``: the compressed part's
+        mean as the compressor delivered it (a fused momentum step), kept as M as it is,
+        or under a clip coefficient below 1 decoded and mixed with the M before it."""
         sums = [t.sum(dtype=torch.float32) for tensors, buf, part in buffers
                 if checked is None or part[1] != "compressed" for t in ([buf] if buf is not None else tensors)]
         # one sum a tensor, one host sync for them all (an overflowing sum is a step worth skipping)
@@ -395,8 +439,25 @@ class GradientReducer:
             return
         c, b1 = clip_coef, self.beta1
         for tensors, buf, part in buffers:
-            m = self.momentum.get(part)
             numel = buf.numel() if buf is not None else sum(t.numel() for t in tensors)
+            if packed is not None and part[1] == "compressed":
+                if c < 1.0:     # c M_t + (1 - c) b1 M, the fp32 path's arithmetic, the mean decoded a chunk at a time
+                    m = self._momentum_of(part, numel).mul_((1.0 - c) * b1)
+                    at = 0
+                    for chunk, n in zip(packed["chunks"], packed["numel"]):
+                        mean = self.compressor.decode_gathered(chunk, self._scratch.take(n, m.device))
+                        m[at:at + n].add_(mean, alpha=c)
+                        self._scratch.give(mean)
+                        at += n
+                    _unflatten(m, tensors)
+                else:
+                    self.momentum[part] = packed
+                    self.stats.momentum_codes = 1
+                self._buffers.pop((part, "next"), None)
+                continue
+            if isinstance(self.momentum.get(part), dict):      # a dense step after fused ones: M in fp32 again
+                self._momentum_of(part, numel)
+            m = self.momentum.get(part)
             if buf is not None and self.momentum_step:   # the mean becomes M; last step's M the next buffer
                 if c < 1.0:
                     buf.mul_(c).add_(m, alpha=(1.0 - c) * b1)

@@ -118,10 +118,16 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     flight (``seekspeed.comm.pipeline_depth``); ``matrices``: PowerSGD's (rows, cols).
     Empty for ``none`` (DeepSpeed's own reduction). The reducer reads and writes the
     gradients DeepSpeed holds chunk by chunk, through a chunk-sized region per chunk in
-    flight (tensors under ``min_numel`` go dense through a flat buffer of their own,
-    not counted here). ``grad_bytes``: the gradients' element size; with target momentum
-    and 16-bit gradients the mean momentum is also kept in an fp32 buffer of its own (the
-    next M: the gradients hold it rounded). ``residual_dtype``: what sign's and int4's
+    flight (counted here for every chunk: an upper bound, as a chunk inside one contiguous
+    fp32 gradient is exchanged in the gradient's own memory; tensors under ``min_numel``
+    go dense through a flat buffer of their own, not counted here). Target momentum: the local momentum M in fp32, what a dense step
+    (the warm-up, a variance refresh) and a clipped momentum step hold; between them a
+    momentum step through sign or int4 without the hierarchy keeps M as the all-gather
+    delivered it (sign: 1/8 byte an entry and a scale a block), so the fp32 figure is the
+    most it holds, not what it holds on every step. ``grad_bytes``: the gradients'
+    element size; with target momentum and 16-bit gradients outside that fused path (the
+    hierarchy, top-k, PowerSGD, int8) the mean momentum is also kept in an fp32 buffer
+    of its own (the next M: the gradients hold it rounded). ``residual_dtype``: what sign's and int4's
     residuals are kept in (``seekspeed.comm.residual_dtype``, RESIDUAL_BYTES; the step works in fp32,
     and the momentum's fused pass reads the worker residual widened into a pooled chunk)."""
     if compressor == "none":
@@ -131,7 +137,7 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
     parts = {"chunk scratch": 4 * region}
     if target == "momentum":
         parts["local momentum"] = 4 * numel
-        if grad_bytes != 4:
+        if grad_bytes != 4 and not (compressor in TWO_PHASE and not hierarchical):
             parts["next momentum"] = 4 * numel
     if hierarchical and nodes == 1:          # one node: the reducer goes dense
         return parts
