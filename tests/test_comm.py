@@ -502,7 +502,7 @@ def test_momentum_kept_as_codes_encodes_as_its_decoding_bit_for_bit(with_worker)
                 scales, codes = codec(kernel=kernel).encode_momentum(rows, grad, m, w, local=0.2, beta1=0.9)
                 out[kernel, type(m)] = (rows, codes, scales)
         reference = out["torch", torch.Tensor]
-        for (kernel, kind), (rows, codes, scales) in out.items():
+        for (kernel, _), (rows, codes, scales) in out.items():
             torch.testing.assert_close(rows, reference[0], rtol=0, atol=0)
             torch.testing.assert_close(codes, reference[1], rtol=0, atol=0)
             if kernel == "torch":
