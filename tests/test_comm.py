@@ -511,34 +511,6 @@ def test_momentum_kept_as_codes_encodes_as_its_decoding_bit_for_bit(with_worker)
                 np.testing.assert_allclose(scales, reference[2], rtol=2 * gamma(block))
 
 
-@pytest.mark.parametrize("server_dtype", [None, torch.float32, torch.bfloat16])
-def test_sign_server_step_in_one_pass_is_the_step_by_step_kernel_bitwise(server_dtype):
-    """The two-phase server's step on its segment through sign's kernel in one pass
-    (sum_encode: 3 ranks' payloads decoded times the scale and summed in rank order, the
-    server residual added, encoded) is bit for bit the kernel's decode, decode-and-add,
-    the residual added in torch, encode: the same products and sums in the same order
-    (fp32 and bf16 residuals, none; the residual left in place and not)."""
-    from ds_ext.comm.compressors import _SignCodec
-    codec = _SignCodec(kernel="fused")
-    g = torch.Generator().manual_seed(7)
-    world, blocks, block = 3, 40, 64
-    sent = [codec.encode(torch.randn(blocks, block, generator=g) * torch.logspace(-3, 1, blocks)[:, None])
-            for _ in range(world)]
-    payloads = torch.stack([torch.cat([sc.view(torch.uint8), co]) for sc, co in sent])
-    server = None if server_dtype is None else (torch.randn(blocks * block, generator=g) * 1e-2).to(server_dtype)
-    for residual in (True, False):
-        steps = torch.empty(blocks, block)
-        for r, (sc, co) in enumerate(sent):
-            codec.decode_into(sc, co, steps, accumulate=r > 0, factor=1 / world)
-        if server is not None:
-            steps += server.view(blocks, block)
-        want = codec.encode(steps, residual=residual)
-        one = torch.full((blocks, block), float("nan"))
-        got = codec.sum_encode(payloads, blocks, one, 1 / world, server, residual=residual)
-        for a, b in zip((*got, one), (*want, steps)):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def _kept_momentum_rank(compressor, kernel, dtype):
     """Two reducers on the same gradients, target momentum with clipping and 0/1 Adam's
     refreshes (warm-up 2, kappa 1: dense steps 1, 2, 4 and 8, momentum steps 3, 5-7, 9):

@@ -453,23 +453,6 @@ class _SignCodec(_BlockCodec):
             module.encode_momentum(g, m, w, rows.view(-1), scales, codes, rows.shape[1], local, beta1, residual)
         return scales, codes
 
-    def sum_encode(self, payloads, blocks, out, factor, server, *, residual=False):
-        """The server's step in the kernel's one pass: ``out`` ([blocks, block]) := the
-        ranks' ``payloads`` ([world, scales | codes]) decoded times ``factor`` and summed
-        in rank order, plus ``server`` (the residual) when given, then encoded. Returns
-        (scales, codes), or None without the kernel (the caller then takes those steps
-        one by one, with the same result)."""
-        module = self.fused(out.device)
-        if module is None:
-            return None
-        if server is not None and server.dtype != torch.float32:     # summed in fp32, as the torch path's +=
-            server = server.float()
-        scales = torch.empty(blocks, device=out.device)
-        codes = torch.empty(out.numel() // 8, dtype=torch.uint8, device=out.device)
-        module.sum_encode(payloads, blocks, out.shape[1], factor, torch.empty(0, device=out.device) if server is None
-                          else server, out.view(-1), scales, codes, residual)
-        return scales, codes
-
     def decode_into(self, scales, codes, out, accumulate=False, factor=1.0):
         module = self.fused(out.device)
         if module is None:
@@ -597,20 +580,14 @@ class TwoPhase:
         recv = torch.empty_like(send)
         yield Collective("all_to_all", send.view(-1), group, out=[recv.view(-1)])
         summed = self.pool.take(seg, dev).view(blocks, b)
-        finite = bool(torch.isfinite(recv[:, :blocks * 4].contiguous().view(torch.float32)).all())
-        server = st["server"].view(-1) if ef and "server" in st else None
-        fused = self.codec.sum_encode if finite and hasattr(self.codec, "sum_encode") else None
-        coded = None if fused is None else fused(recv, blocks, summed, scale, server, residual=ef)
-        if coded is not None:     # decoded, summed, the residual added and encoded in one pass
-            server_scales, server_codes = coded
-        else:
-            for r in range(world):
-                self._decode_payload(recv[r], blocks, summed, accumulate=r > 0, factor=scale)
-            if not finite:
-                summed.fill_(float("nan"))
-            if server is not None:
-                summed += server.view(blocks, b)
-            server_scales, server_codes = self.codec.encode(summed, residual=ef)   # summed: the server residual now
+        finite = True
+        for r in range(world):
+            finite &= self._decode_payload(recv[r], blocks, summed, accumulate=r > 0, factor=scale)
+        if not finite:
+            summed.fill_(float("nan"))
+        if ef and "server" in st:
+            summed += st["server"].view(blocks, b)
+        server_scales, server_codes = self.codec.encode(summed, residual=ef)     # summed: the server residual now
         mine = torch.cat([server_scales.view(torch.uint8), server_codes.view(-1)])
         out = [torch.empty_like(mine) for _ in range(world)]
         yield Collective("all_gather", mine, group, out=out)

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
@@ -218,62 +217,6 @@ void decode(torch::Tensor scales, torch::Tensor codes, torch::Tensor out, int64_
   });
 }
 
-// The server's step on its segment in one pass: out [blocks * block_size] := the world's
-// payloads (uint8 [world, blocks * 4 + blocks * block_size / 8]: scales, then codes)
-// decoded, each times factor, added in rank order (+ the server residual w, fp32, when
-// given), then each block encoded as `encode` does. Bitwise `decode` of rank 0,
-// decode-and-add of the others, the residual added, `encode`: the same products and sums
-// in the same order, without a pass over the segment for each rank.
-void sum_encode(torch::Tensor payloads, int64_t blocks, int64_t block_size, double factor, torch::Tensor w,
-                torch::Tensor out, torch::Tensor scales, torch::Tensor codes, bool residual) {
-  check_codes(payloads);
-  check_fp32(out, "out");
-  check_fp32(scales, "scales");
-  check_codes(codes);
-  const bool has_w = w.numel() > 0;
-  if (has_w) check_fp32(w, "w");
-  TORCH_CHECK(block_size > 0 && block_size % 8 == 0, "sign_codec: block_size must be a multiple of 8");
-  const int64_t world = payloads.size(0), per = block_size / 8, stride = blocks * 4 + blocks * per;
-  TORCH_CHECK(payloads.dim() == 2 && payloads.size(1) == stride && out.numel() == blocks * block_size &&
-                  scales.numel() == blocks && codes.numel() == blocks * per && (!has_w || w.numel() == out.numel()),
-              "sign_codec: payloads, out, w, scales and codes disagree in size");
-  const uint8_t* pp = payloads.data_ptr<uint8_t>();
-  const float* wp = has_w ? w.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  float* sp = scales.data_ptr<float>();
-  uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float f = static_cast<float>(factor);
-  const auto& table = sign_table();
-  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t k = b0; k < b1; ++k) {
-      float* o = op + k * block_size;
-      for (int64_t r = 0; r < world; ++r) {
-        const uint8_t* payload = pp + r * stride;
-        float rank_scale;
-        std::memcpy(&rank_scale, payload + k * 4, sizeof(float));
-        const float s = rank_scale * f;
-        const uint8_t* c = payload + blocks * 4 + k * per;
-        if (r == 0) {
-          for (int64_t j = 0; j < per; ++j) {
-            const float* t = table[c[j]].data();
-            for (int bit = 0; bit < 8; ++bit) o[j * 8 + bit] = t[bit] * s;
-          }
-        } else {
-          for (int64_t j = 0; j < per; ++j) {
-            const float* t = table[c[j]].data();
-            for (int bit = 0; bit < 8; ++bit) o[j * 8 + bit] += t[bit] * s;
-          }
-        }
-      }
-      if (has_w) {
-        const float* wk = wp + k * block_size;
-        for (int64_t i = 0; i < block_size; ++i) o[i] += wk[i];
-      }
-      encode_block(o, block_size, sp + k, cp + k * per, residual);
-    }
-  });
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -282,7 +225,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sign: local x g + beta1 x m (+ the worker residual) formed and encoded in one pass");
   m.def("encode_momentum_packed", &encode_momentum_packed,
         "sign: encode_momentum with M given as sign's own scales and codes");
-  m.def("sum_encode", &sum_encode,
-        "sign: the server's step (the ranks' payloads decoded and summed, the residual added, encoded) in one pass");
   m.def("decode", &decode, "sign: decode (or decode and add) scaled signs");
 }
