@@ -6,12 +6,12 @@ build; under ds_ext.ops.build_guard, so a killed build's lock stalls no later on
 
 ``topk_select()``: the fused accumulate-and-select pass of sampled top-k on CPU
 (csrc/topk_select.cpp); ``sign_codec()``: sign's block encode (scales, packed bits, the
-residual in place; with target momentum the momentum formed in the same pass) and
-decode-and-add (csrc/sign_codec.cpp). Built without floating-point contraction (no
-fused multiply-adds the torch ops they mirror would not make). Both multithreaded with
-OpenMP through at::parallel_for. None when they cannot be built (no C++ compiler, no
-ninja): the caller then uses torch ops, which do the same work in more passes over
-memory.
+residual in place; with target momentum the momentum formed in the same pass, reading M
+as fp32 or as the codes it was kept as) and decode-and-add (csrc/sign_codec.cpp). Built
+without floating-point contraction (no fused multiply-adds the torch ops they mirror
+would not make). Both multithreaded with OpenMP through at::parallel_for. None when they
+cannot be built (no C++ compiler, no ninja): the caller then uses torch ops, which do
+the same work in more passes over memory.
 """
 
 import hashlib
