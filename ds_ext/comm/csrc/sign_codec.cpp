@@ -3,7 +3,7 @@
 // the first entry of a byte in its top bit. In torch ops the same work is a pass for
 // the scales, two for the packing, two for decoding and two for the residual. With
 // target "momentum" the rank's momentum is formed in the encoding's pass (in torch ops
-// four more passes and a finiteness check).
+// four more passes and a finiteness check), M read as fp32 or as sign's own codes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
