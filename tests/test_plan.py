@@ -198,11 +198,11 @@ def test_memory_equals_deepspeeds_bf16_optimizer(tmp_path):
         assert st.optimizer == pytest.approx(got["optimizer"], rel=0.01)
 
 
-@pytest.mark.parametrize("comm", [{"compressor": "sign"}, {"compressor": "int4"},
+@pytest.mark.parametrize("comm", [{"compressor": "sign"}, {"compressor": "int4"}, {"compressor": "topk"},
                                   {"compressor": "sign", "target": "momentum", "warmup_steps": 100,
                                    "residual_dtype": "bf16"}])
 def test_compressors_fit_128node_with_a_tenth_to_spare(tmp_path, comm):
-    """sign and int4 (fp32 residuals) and the momentum as signs (its residuals in bf16:
+    """sign, int4 and top-k 1 % (fp32 residuals) and the momentum as signs (its residuals in bf16:
     the fp32 local momentum and residual together, 33.4 GB on the fullest rank, do not
     leave the tenth) on 128node.json at 128 nodes x 8: every pipeline rank's total, comm
     state included, within 90 % of an 80 GB GPU."""
@@ -332,7 +332,11 @@ def test_comm_state_by_hand():
     assert state_bytes("sign", hierarchical=True, numel=n, nodes=1, per_node=8) == {"chunk scratch": scratch}
     assert state_bytes("sign", hierarchical=False, numel=1000, nodes=2, per_node=8) == {
         "chunk scratch": 4 * 1000 * (2 + 2 / 16), "residual": 4000, "server residual": 4 * 63}
-    assert sum(state_bytes("topk", hierarchical=False, **kw).values()) == 12 * n + scratch   # residual, spare, |.|
+    # residual; the chunks in flight's new accumulators and one chunk's magnitudes, pooled
+    assert state_bytes("topk", hierarchical=False, **kw) == {"chunk scratch": scratch + 4 * 2 * c + 4 * c,
+                                                            "residual": 4 * n}
+    assert state_bytes("topk", hierarchical=False, momentum=0.9, **kw) == {
+        "chunk scratch": scratch + 2 * 4 * 2 * c + 4 * c, "DGC momentum u": 4 * n, "DGC accumulator v": 4 * n}
     assert state_bytes("sign", hierarchical=False, error_feedback=False, **kw) == {"chunk scratch": two_phase}
 
 

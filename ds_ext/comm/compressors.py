@@ -118,12 +118,16 @@ class TopK:
     """
     phases = 1
     splittable = True
+    POOL_PER_SIZE, POOL_SIZES = 8, 8
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
                  kernel="auto", seed=0):
         self.ratio, self.selection, self.sample_ratio = ratio, selection, sample_ratio
         self.error_feedback, self.momentum = error_feedback, momentum
         self.state = {}
+        # this step's accumulators and the magnitudes selected from, in buffers the chunks
+        # before gave back: a chunk's own accumulators are all it keeps between steps
+        self.pool = ScratchPool(per_size=self.POOL_PER_SIZE, sizes=self.POOL_SIZES)
         self.generator = torch.Generator().manual_seed(seed)
         self.kernel = kernel
         self._kernel_module = None
@@ -184,15 +188,15 @@ class TopK:
         return torch.cat(picks)
 
     def exchange(self, key, region, views, group, scale=1.0):
-        # Accumulators are double-buffered: this step's are written into last step's
-        # spares and committed only when the exchange succeeded, so a skipped step
-        # leaves the state exactly as it was, and no step allocates gradient-sized memory.
+        # This step's accumulators are written into pooled buffers and committed (the
+        # old ones given back) only when the exchange succeeded, so a skipped step leaves
+        # the state exactly as it was; in steady state no step allocates gradient-sized memory.
         flat = region
         sizes = [v.numel() for v in views]
         k = sum(self.count(n) for n in sizes)
         st = self.state.get(key, {})
         payload = torch.zeros(2 * k + 1, device=flat.device)
-        fused, mag = self._fused(flat.device), None
+        fused, new = self._fused(flat.device), {}
         if fused is not None:
             new, acc, idx, finite = self._accumulate_select_fused(fused, flat, st, sizes)
         else:
@@ -200,18 +204,21 @@ class TopK:
             if finite:
                 new = self._accumulate(flat, st)
                 acc = new.get("v", new.get("residual", new.get("u", flat)))
-                mag = st.get("mag")
-                mag = torch.abs(acc, out=mag) if mag is not None else acc.abs()
+                mag = torch.abs(acc, out=self.pool.take(acc.numel(), acc.device))
                 idx = self._select_per_tensor(mag, sizes)
+                self.pool.give(mag)
         if finite:
             payload[:idx.numel()] = acc[idx]
             payload[k:k + idx.numel()] = idx.to(torch.int32).view(torch.float32)
         else:
             payload[-1] = float("nan")
+            self._give_back(new)
         out = [torch.empty_like(payload) for _ in range(torch.distributed.get_world_size(group))]
         yield Collective("all_gather", payload, group, out=out)
         gathered = torch.stack(out)
         if not bool(torch.isfinite(gathered[:, -1]).all()):
+            if finite:
+                self._give_back(new)
             _poison(region)
             return
         values = gathered[:, :k].reshape(-1) * scale
@@ -221,8 +228,15 @@ class TopK:
             for name in ("u", "v", "residual"):
                 if name in new:
                     new[name][idx] = 0.0
-            spares = {f"spare_{n}": st[n] for n in ("u", "v", "residual") if n in st}
-            self.state[key] = {**new, **spares, **({"mag": mag} if mag is not None else {})}
+            self._give_back(st)
+            self.state[key] = new
+
+    def _give_back(self, accumulators):
+        for buf in accumulators.values():
+            self.pool.give(buf)
+
+    def _take(self, like):
+        return self.pool.take(like.numel(), like.device)
 
     def _accumulate_select_fused(self, fused, flat, st, sizes):
         """The fused kernel's version of _accumulate and _select_per_tensor, with the
@@ -236,19 +250,22 @@ class TopK:
         # after it would no longer be the torch path's
         generator_state = self.generator.get_state()
         if self.momentum > 0:      # u = gradient + m u, in torch (the multiply-add is torch's to round)
-            u = (torch.add(flat, st["u"], alpha=self.momentum, out=st.get("spare_u")) if "u" in st
-                 else flat.clone())
+            u = self._take(flat)
+            if "u" in st:
+                torch.add(flat, st["u"], alpha=self.momentum, out=u)
+            else:
+                u.copy_(flat)
             new["u"] = u
             x, name = u, "v"
         else:
             x, name = flat, "residual"
         y = out = None
         if self.error_feedback:
+            out = self._take(x)
             if name in st:
-                y, out = st[name], st.get(f"spare_{name}")      # no spare yet at the second step
-                out = torch.empty_like(x) if out is None else out
+                y = st[name]
             else:
-                out = x.clone()      # the first step's accumulator is the input itself
+                out.copy_(x)      # the first step's accumulator is the input itself
             new[name] = out
         acc = out if out is not None else x
         picks, offset = [], 0
@@ -268,18 +285,19 @@ class TopK:
                 sel = None if bad else self._at_most(hits, lambda i: acc[part][i].abs(), k)  # noqa: B023
             if bad:              # the step is skipped: no need to select from the rest
                 self.generator.set_state(generator_state)
-                return new, acc, None, False
+                return new, acc, None, False      # the caller gives ``new`` back
             picks.append(sel + offset)
             offset += n
         return new, acc, torch.cat(picks), True
 
     def _accumulate(self, flat, st):
-        """This step's accumulators, {} when there are none (no error feedback, no momentum)."""
+        """This step's accumulators, {} when there are none (no error feedback, no momentum),
+        each in a pooled buffer."""
         def into(name, value_fn, clone_of):
-            spare = st.get(f"spare_{name}")
+            out = self._take(clone_of)
             if name in st:
-                return value_fn(spare)
-            return clone_of.clone()
+                return value_fn(out)
+            return out.copy_(clone_of)
         if self.momentum > 0:
             u = into("u", lambda out: torch.add(flat, st["u"], alpha=self.momentum, out=out), flat)
             if not self.error_feedback:

@@ -24,9 +24,6 @@ pairs::
                "generator": uint8 tensor | None,       # torch.Generator.get_state()
                "attrs": {"momentum": [[key, tensor], ...]}}}
 
-Scratch buffers (``mag``, ``spare_*``: top-k's double buffers) are not saved: the
-compressors allocate them when missing, with the same values computed.
-
 ``settings(section, layout=...)`` is what the saved state means something under: the
 ``seekspeed.comm`` fields that change the compressor's arithmetic or which elements a
 key names, and the parallel layout that decides what a rank's gradients are. The
@@ -103,10 +100,6 @@ def differences(saved, now):
 
 # -- the reducer's state ---------------------------------------------------------------------
 
-def _scratch(name):
-    return name == "mag" or name.startswith("spare_")
-
-
 def _check_key(key, where):
     """Keys are stored as they are: only values that pickle without naming a global
     (and so load through safe_pickle and torch's weights_only loader)."""
@@ -135,12 +128,10 @@ def _plain(value, where):
                     f"tensors, numbers, strings and containers of them")
 
 
-def _entries(mapping, where, *, drop_scratch=False):
+def _entries(mapping, where):
     out = []
     for key, value in mapping.items():
         _check_key(key, where)
-        if drop_scratch and isinstance(value, dict):
-            value = {name: v for name, v in value.items() if not _scratch(name)}
         out.append([key, _plain(value, f"{where}[{key!r}]")])
     return out
 
@@ -172,7 +163,7 @@ def state_dict(reducer):
         if isinstance(value, dict):
             attrs[name] = _entries(value, f"reducer.{name}")
     return {"steps": int(reducer.steps),
-            "compressor": _entries(getattr(comp, "state", {}), f"{type(comp).__name__}.state", drop_scratch=True),
+            "compressor": _entries(getattr(comp, "state", {}), f"{type(comp).__name__}.state"),
             "generator": generator.get_state() if generator is not None else None,
             "attrs": attrs}
 

@@ -41,12 +41,13 @@ sends the same bytes per step as ``"gradient"``; it keeps more (``state_bytes``)
 either target the first ``warmup_steps`` optimizer steps are dense (the ``fp32`` bytes);
 over a long run the compressed figures after them are the ones that count.
 
-``state_bytes``: per rank, fp32 throughout: the reducer's flat copy of what it reduces;
-the local momentum (target momentum: full size on every rank, also under ZeRO 1, which
-partitions only the optimizer's own momentum); the worker-side error-feedback residual
-(full size; top-k keeps it double-buffered, plus the magnitudes it selects from, and DGC's
-momentum correction a u and v likewise; PowerSGD its e per matrix and its warm-start Q);
-the server residual of the two-phase compressors (the 1/W segment a rank averages).
+``state_bytes``: per rank: a chunk-sized scratch region per chunk in flight (and the
+compressor's pooled per-chunk scratch); the local momentum (target momentum: full size
+on every rank, also under ZeRO 1, which partitions only the optimizer's own momentum);
+the worker-side error-feedback residual (full size, fp32 or with sign and int4 bf16;
+DGC's momentum correction keeps a u and a v; PowerSGD its e per matrix and its
+warm-start Q); the server residual of the two-phase compressors (the 1/W segment a rank
+averages).
 Hierarchical over several nodes, the compressor's state lives on the local rank that
 exchanges each chunk, about 1/m of it per rank; over one node it goes dense and keeps none.
 
@@ -158,13 +159,15 @@ def state_bytes(compressor, *, numel, nodes, per_node, hierarchical, target="gra
         if compressor in TWO_PHASE:
             parts["server residual"] = kept * math.ceil(owned / group)
     elif compressor == "topk":
-        # torch path (the fused CPU kernel keeps no magnitudes); each accumulator and its spare
+        # each accumulator kept, and formed anew per chunk in flight in pooled scratch (the
+        # old one given back when the step commits); the magnitudes selected from, one
+        # chunk at a time, pooled by size (torch path: the fused CPU kernel takes none)
         accumulators = (["DGC momentum u"] if momentum > 0 else []) + (
             ["DGC accumulator v" if momentum > 0 else "residual"] if error_feedback else [])
         for name in accumulators:
-            parts[name] = parts[f"{name} spare"] = 4 * owned
+            parts[name] = 4 * owned
         if accumulators:
-            parts["top-k magnitudes"] = 4 * owned
+            parts["chunk scratch"] += 4 * region * len(accumulators) + 4 * (min(full, 1) * chunk + tail)
     elif compressor == "powersgd":
         parts["PowerSGD Q"] = 4 * share * sum(c * rank for _, c in matrices)
         if error_feedback:
