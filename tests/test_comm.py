@@ -511,12 +511,13 @@ def test_momentum_kept_as_codes_encodes_as_its_decoding_bit_for_bit(with_worker)
                 np.testing.assert_allclose(scales, reference[2], rtol=2 * gamma(block))
 
 
-def _kept_momentum_rank(compressor, kernel, dtype):
+def _kept_momentum_rank(compressor, kernel, dtype, ahead=False):
     """Two reducers on the same gradients, target momentum with clipping and 0/1 Adam's
     refreshes (warm-up 2, kappa 1: dense steps 1, 2, 4 and 8, momentum steps 3, 5-7, 9):
     one keeps M as its compressor delivers it, the other has M decoded to fp32 after every
     step. Returns the steps on which their gradients or M differ, how M was kept after
-    each step, and the steps whose clip coefficient was below 1."""
+    each step, and the steps whose clip coefficient was below 1. ``ahead``: the clip
+    coefficient found before the exchange (GradientReducer.clip_ahead)."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     world, me = tdist.get_world_size(), tdist.get_rank()
@@ -533,6 +534,8 @@ def _kept_momentum_rank(compressor, kernel, dtype):
             # the norm grows with the step, so that the clip starts biting part way
             grads = [(g * (1 + step)).to(dtype) for g in _grads(me, shapes, seed=step)]
             r.begin_step()
+            if ahead:
+                r.clip_ahead([(grads, tdist.group.WORLD, world, 1)])
             r.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
             r.end_step()
             if i == 1:
@@ -550,20 +553,26 @@ def _kept_momentum_rank(compressor, kernel, dtype):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("compressor, kernel, dtype", [("sign", "fused", torch.float32), ("sign", "torch", torch.bfloat16),
-                                                       ("int4", "auto", torch.float32)])
-def test_momentum_kept_as_codes_is_bitwise_the_fp32_momentum(compressor, kernel, dtype):
+@pytest.mark.parametrize("compressor, kernel, dtype, ahead", [("sign", "fused", torch.float32, False),
+                                                              ("sign", "torch", torch.bfloat16, False),
+                                                              ("int4", "auto", torch.float32, False),
+                                                              ("sign", "fused", torch.float32, True)])
+def test_momentum_kept_as_codes_is_bitwise_the_fp32_momentum(compressor, kernel, dtype, ahead):
     """Keeping M after a momentum step as the compressor's scales and codes (a bit an
     entry with sign, instead of 32) changes nothing: gradients and M bitwise those of the
     same reducer whose M is decoded to fp32 after every step, over dense warm-up steps, a
     momentum step, a variance refresh after it (M decoded again), momentum steps whose clip
     coefficient is 1 and below it (M then mixed with the M before it, in fp32), 2 ranks,
-    chunks, the kernel's and the torch ops' passes, fp32 and bf16 gradients."""
-    for r in run_ranks(_kept_momentum_rank, world_size=2, args=(compressor, kernel, dtype)):
+    chunks, the kernel's and the torch ops' passes, fp32 and bf16 gradients. With the
+    clip coefficient found ahead of the exchange (the momentum formed clipped), every
+    momentum step keeps M as codes, the clipped ones too."""
+    for r in run_ranks(_kept_momentum_rank, world_size=2, args=(compressor, kernel, dtype, ahead)):
         assert r["differ"] == [], r
         assert r["kept"][2] == "dict" and r["kept"][3] == "Tensor", r      # kept as codes; a refresh's fp32
         assert 1 < len(r["clipped"]) < 6 and r["clipped"][-1] == 9, r     # steps of both kinds, clipped ones last
         assert any(r["kept"][s - 1] == "dict" for s in (3, 5, 6, 7, 9) if s not in r["clipped"]), r
+        if ahead:
+            assert all(r["kept"][s - 1] == "dict" for s in (3, 5, 6, 7, 9)), r
 
 
 def _held_bytes_rank(compressor, target, chunk_mb, depth, residual="fp32", kernel="auto"):

@@ -23,9 +23,10 @@ from tests.numerics import assert_within, gamma
 from tests.test_comm_engine import MOE, engine_and_batches
 
 
-def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0):
+def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=False):
     """``nodes`` > 0: hierarchical over that many simulated nodes of consecutive ranks;
-    ``clip`` > 0: the momentum made of gradients clipped to that norm."""
+    ``clip`` > 0: the momentum made of gradients clipped to that norm; ``ahead``: its
+    coefficient found before the exchange (GradientReducer.clip_ahead)."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     from ds_ext.config import CommSection
@@ -43,6 +44,8 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0):
         g = torch.Generator().manual_seed(100 * step + rank)
         grads = [torch.randn(64, 48, generator=g), torch.randn(300, generator=g)]
         reducer.begin_step()
+        if ahead:
+            reducer.clip_ahead([(grads, tdist.group.WORLD, world, 1)])
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         reducer.end_step()
         out.append([x.clone() for x in grads])
@@ -50,8 +53,8 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("clip", [0.0, 30.0, 45.0])
-def test_momentum_follows_the_dense_momentum_through_the_fp32_path(clip):
+@pytest.mark.parametrize("clip, ahead", [(0.0, False), (30.0, False), (45.0, False), (45.0, True)])
+def test_momentum_follows_the_dense_momentum_through_the_fp32_path(clip, ahead):
     """M_t = b1 M_{t-1} + (1 - b1) c_t mean_i g_i, kept through the warm-up (which
     returns the mean gradient) and returned after it. c_t = 1 without clipping; with
     it, min(1, clip / (norm + 1e-6)), the norm that of the mean gradient in the warm-up
@@ -68,9 +71,10 @@ def test_momentum_follows_the_dense_momentum_through_the_fp32_path(clip):
     partial sums, the weight, the 2-rank sum and a square root: relative error under
     gamma_(n + 6), which reaches M through (1 - b1) c_t |mean g|. So E_t = b1 E_{t-1} +
     gamma_k A_t + gamma_(n + 6) (1 - b1) c_t sum_i |g_i| / n, computed alongside the
-    reference."""
+    reference. ``ahead`` (c_t found before the exchange, each rank's momentum formed as
+    b1 M + ((1 - b1) c_t) g_i) rounds fewer times than the mix after it: the same bound."""
     steps, warmup, b1 = 6, 2, 0.9
-    results = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup, 0, clip))
+    results = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup, 0, clip, ahead))
     grads = [[], []]
     for rank in range(2):
         for step in range(steps):

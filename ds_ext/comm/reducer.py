@@ -69,7 +69,7 @@ class ReduceStats:
     calls: list = field(default_factory=list)   # (key, micro_step, at_boundary) per reduce()
     dense: str = ""              # why this step went dense: "warm-up", or ""
     clip_coef: float = 1.0       # target momentum under clipping: the coefficient the step's gradient took
-    clipped: int = 0             # 1: a momentum step whose clip coefficient was below 1 (M then kept in fp32)
+    clipped: int = 0             # 1: a momentum step whose clip coefficient was below 1 (M in fp32 unless clipped ahead)
     momentum_codes: int = 0      # 1: M kept as the compressor's codes after this step
 
     def line(self, name):
@@ -148,6 +148,7 @@ class GradientReducer:
         self.copies = 1
         self._norm_terms = []
         self._pending = []
+        self._ahead = None      # the step's clip coefficient when known before its exchange (clip_ahead)
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
@@ -157,6 +158,7 @@ class GradientReducer:
     def end_step(self):
         if self._pending:
             self._settle_momentum()
+        self._ahead = None
         self.sent_momentum = self.momentum_step      # what the optimizer step after it is to do
         # a dense step after momentum steps: 0/1 Adam's variance refresh, which the
         # optimizer step takes with the momentum's step count (install.FrozenVarianceAdam)
@@ -241,10 +243,11 @@ class GradientReducer:
         # world's sum is, per tensor, the mean over its holders of the local squared
         # norms, or the average's squared norm
         clipping = self.section.target == "momentum" and self.clip > 0
-        if clipping and sending:
-            self._add_norm_terms(grads, (members / (divide_by * divided_later_by)) ** 2 / members)
-        if sending:     # the ranks' momenta, averaged below
-            local, scale = (1.0 - self.beta1) * members * scale, 1.0 / members
+        ahead = clipping and sending and self._ahead is not None
+        if clipping and sending and not ahead:
+            self._add_norm_terms(grads, self._norm_weight(members, divide_by, divided_later_by))
+        if sending:     # the ranks' momenta, averaged below; clipped as they are formed when c is known
+            local, scale = (1.0 - self.beta1) * members * scale * (self._ahead if ahead else 1.0), 1.0 / members
         if small:
             buf = self._flat((key, "dense"), small)
             if sending:
@@ -294,7 +297,7 @@ class GradientReducer:
         if self.section.target == "momentum":
             if big:
                 buffers.append((big, result, (key, "compressed")))
-            if clipping:      # M's update waits for the step's clip coefficient (end_step)
+            if clipping and not ahead:      # M's update waits for the step's clip coefficient (end_step)
                 self._pending.append((buffers, checked, packed))
             else:
                 self._update_momentum(buffers, checked=checked, packed=packed)
@@ -305,6 +308,46 @@ class GradientReducer:
         if clipping and not sending:
             self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
         self.stats.total_s += time.perf_counter() - start
+
+    @staticmethod
+    def _norm_weight(members, divide_by, divided_later_by):
+        return (members / (divide_by * divided_later_by)) ** 2 / members
+
+    @torch.no_grad()
+    def clip_ahead(self, calls):
+        """Target momentum under clipping, on a momentum step whose every gradient is at
+        hand before the first exchange (the reduction at the step's end, not overlapped
+        with the backward): ``calls``, the step's ``reduce`` calls to come as (grads,
+        group, divide_by, divided_later_by). The coefficient c (as ``_settle_momentum``
+        computes it, from the root mean square of the ranks' local norms) is found
+        first, and each rank's momentum is formed as b1 M + (1 - b1) c g_i: the mean is
+        the same c-clipped momentum the exchange-then-mix path gives, but what the
+        compressor encodes, and what its error feedback carries into the next step, is
+        the clipped momentum itself, and the mean is kept as the compressor delivered it.
+        One scalar all-reduce ahead of the exchange instead of after it."""
+        if not (self.section.target == "momentum" and self.clip > 0 and self.momentum_step):
+            return
+        for grads, group, divide_by, divided_later_by in calls:
+            self._add_norm_terms([g for g in grads if g.numel()],
+                                 self._norm_weight(tdist.get_world_size(group), divide_by, divided_later_by))
+        self._ahead = self._clip_coefficient()
+
+    def _clip_coefficient(self):
+        """DeepSpeed's min(1, clip / (norm + 1e-6)) from this step's squared-norm terms,
+        summed over the world (one scalar all-reduce); recorded in the step's stats."""
+        terms, self._norm_terms = self._norm_terms, []
+        if terms:
+            total = torch.stack(terms).sum().reshape(1)
+        else:       # this rank reduced no gradients this step; the all-reduce is the world's
+            from deepspeed.accelerator import get_accelerator
+            total = torch.zeros(1, device=get_accelerator().current_device_name())
+        tdist.all_reduce(total)
+        squared = float(total) / self.copies
+        norm = math.sqrt(squared) if math.isfinite(squared) else math.inf
+        c = min(1.0, self.clip / (norm + 1e-6))
+        self.stats.clip_coef = c
+        self.stats.clipped = int(c < 1.0 and self.momentum_step)
+        return c
 
     def _add_norm_terms(self, tensors, weight):
         """weight x the squared norm of ``tensors``, one fp32 sum a tensor."""
@@ -327,18 +370,7 @@ class GradientReducer:
         momentum is c M_t + (1 - c) b1 M, formed after the exchange, returned to the
         optimizer and kept. One scalar all-reduce over the world a step."""
         pending, self._pending = self._pending, []
-        terms, self._norm_terms = self._norm_terms, []
-        if terms:
-            total = torch.stack(terms).sum().reshape(1)
-        else:       # this rank reduced no gradients this step; the all-reduce is the world's
-            from deepspeed.accelerator import get_accelerator
-            total = torch.zeros(1, device=get_accelerator().current_device_name())
-        tdist.all_reduce(total)
-        squared = float(total) / self.copies
-        norm = math.sqrt(squared) if math.isfinite(squared) else math.inf
-        c = min(1.0, self.clip / (norm + 1e-6))
-        self.stats.clip_coef = c
-        self.stats.clipped = int(c < 1.0 and self.momentum_step)
+        c = self._clip_coefficient()
         for buffers, checked, packed in pending:
             self._update_momentum(buffers, checked=checked, clip_coef=c, packed=packed)
 
