@@ -535,7 +535,7 @@ def _kept_momentum_rank(compressor, kernel, dtype, ahead=False):
             grads = [(g * (1 + step)).to(dtype) for g in _grads(me, shapes, seed=step)]
             r.begin_step()
             if ahead:
-                r.clip_ahead([(grads, tdist.group.WORLD, world, 1)])
+                r.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
             r.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
             r.end_step()
             if i == 1:

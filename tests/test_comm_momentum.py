@@ -45,7 +45,7 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=F
         grads = [torch.randn(64, 48, generator=g), torch.randn(300, generator=g)]
         reducer.begin_step()
         if ahead:
-            reducer.clip_ahead([(grads, tdist.group.WORLD, world, 1)])
+            reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         reducer.end_step()
         out.append([x.clone() for x in grads])

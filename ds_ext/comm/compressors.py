@@ -204,7 +204,7 @@ class TopK:
             if finite:
                 new = self._accumulate(flat, st)
                 acc = new.get("v", new.get("residual", new.get("u", flat)))
-                mag = torch.abs(acc, out=self.pool.take(acc.numel(), acc.device))
+                mag = torch.abs(acc, out=self._take(acc))
                 idx = self._select_per_tensor(mag, sizes)
                 self.pool.give(mag)
         if finite:

@@ -102,18 +102,19 @@ class CompressedReduction:
         reducer.begin_step()
         at = dict(micro_step=self.micro_steps, boundary=self.is_gradient_accumulation_boundary(), dense=dense)
         dp_group = self.mpu.get_data_parallel_group()
-        calls = [(list(non_expert), dp_group, "dense", True,
-                  tdist.get_world_size(dp_group) if average else 1)]
+        calls = [(list(non_expert), dict(group=dp_group, key="dense",
+                                         divide_by=tdist.get_world_size(dp_group) if average else 1))]
         if self.has_moe_layers:
             dp_world = tdist.get_world_size(groups._get_data_parallel_group())
-            calls += [(list(grads), groups._get_expert_data_parallel_group(name), ("expert", name), False,
-                       dp_world if average else 1) for name, grads in sorted(expert.items())]
-        later = [divided_later_by(self.optimizer, group, average) for _, group, _, _, _ in calls]
+            calls += [(list(grads), dict(group=groups._get_expert_data_parallel_group(name), key=("expert", name),
+                                         hierarchical=False, divide_by=dp_world if average else 1))
+                      for name, grads in sorted(expert.items())]
+        for _, kw in calls:
+            kw["divided_later_by"] = divided_later_by(self.optimizer, kw["group"], average)
         # every gradient of the step is at hand: target momentum clips before the exchange
-        reducer.clip_ahead([(grads, group, divide_by, d) for (grads, group, _, _, divide_by), d in zip(calls, later)])
-        for (grads, group, key, hierarchical, divide_by), d in zip(calls, later):
-            reducer.reduce(grads, group=group, key=key, hierarchical=hierarchical, divide_by=divide_by,
-                           divided_later_by=d, **at)
+        reducer.clip_ahead(calls)
+        for grads, kw in calls:
+            reducer.reduce(grads, **kw, **at)
         reducer.end_step()
 
     def _dense_by_storage(self, non_expert, expert):

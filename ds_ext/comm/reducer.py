@@ -243,7 +243,7 @@ class GradientReducer:
         # world's sum is, per tensor, the mean over its holders of the local squared
         # norms, or the average's squared norm
         clipping = self.section.target == "momentum" and self.clip > 0
-        ahead = clipping and sending and self._ahead is not None
+        ahead = self._ahead is not None      # set by clip_ahead on a clipped momentum step only
         if clipping and sending and not ahead:
             self._add_norm_terms(grads, self._norm_weight(members, divide_by, divided_later_by))
         if sending:     # the ranks' momenta, averaged below; clipped as they are formed when c is known
@@ -317,8 +317,8 @@ class GradientReducer:
     def clip_ahead(self, calls):
         """Target momentum under clipping, on a momentum step whose every gradient is at
         hand before the first exchange (the reduction at the step's end, not overlapped
-        with the backward): ``calls``, the step's ``reduce`` calls to come as (grads,
-        group, divide_by, divided_later_by). The coefficient c (as ``_settle_momentum``
+        with the backward): ``calls``, the step's ``reduce`` calls to come as (grads, the
+        call's keyword arguments: group, divide_by, divided_later_by). The coefficient c (as ``_settle_momentum``
         computes it, from the root mean square of the ranks' local norms) is found
         first, and each rank's momentum is formed as b1 M + (1 - b1) c g_i: the mean is
         the same c-clipped momentum the exchange-then-mix path gives, but what the
@@ -327,9 +327,9 @@ class GradientReducer:
         One scalar all-reduce ahead of the exchange instead of after it."""
         if not (self.section.target == "momentum" and self.clip > 0 and self.momentum_step):
             return
-        for grads, group, divide_by, divided_later_by in calls:
-            self._add_norm_terms([g for g in grads if g.numel()],
-                                 self._norm_weight(tdist.get_world_size(group), divide_by, divided_later_by))
+        for grads, kw in calls:      # the gradients reduce_steps would add, empty ones left out as there
+            weight = self._norm_weight(tdist.get_world_size(kw["group"]), kw["divide_by"], kw.get("divided_later_by", 1))
+            self._add_norm_terms([g for g in grads if g.numel()], weight)
         self._ahead = self._clip_coefficient()
 
     def _clip_coefficient(self):
