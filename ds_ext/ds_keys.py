@@ -342,7 +342,10 @@ class _Trial:
         import warnings
         view = self.view_cls(self.config, optimizer=optimizer, scheduler=scheduler or (None, None))
         try:
-            with warnings.catch_warnings():
+            # eager: the step checks the values, and an optimizer whose update is
+            # torch.compile'd (DeepSpeed's Muon) would otherwise compile it for a 2x2
+            # matrix on every rank before training compiles it for the real shapes
+            with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"):
                 warnings.simplefilter("ignore")
                 params = [torch.nn.Parameter(torch.zeros(1, device=self.device))]
                 if str(optimizer[0]).lower() == "muon":
