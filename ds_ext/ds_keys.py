@@ -344,7 +344,7 @@ class _Trial:
         try:
             # eager: the step checks the values, and an optimizer whose update is
             # torch.compile'd (DeepSpeed's Muon) would otherwise compile it for a 2x2
-            # matrix on every rank before training compiles it for the real shapes
+            # matrix on every rank of every launch
             with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"):
                 warnings.simplefilter("ignore")
                 params = [torch.nn.Parameter(torch.zeros(1, device=self.device))]

@@ -8,9 +8,12 @@ that is not a linear map (a position bias, a table) with ``muon_exempt(param)``,
 recipes/spec.py).
 """
 
+import functools
+
 from ds_ext.errors import ConfigError
 
 MUON_EXEMPT = "muon_exempt"
+EAGER_MARK = "_seekspeed_eager"
 
 
 # DeepSpeed's muon_update (deepspeed/runtime/zero/muon/original_muon.py): 5 Newton-Schulz
@@ -80,6 +83,31 @@ def muon_exempt(param):
     Adam instead of Newton-Schulz; returns it."""
     setattr(param, MUON_EXEMPT, True)
     return param
+
+
+def eager_update_on_cpu():
+    """On DeepSpeed's CPU accelerator, DeepSpeed's ``muon_update`` (torch.compile'd) runs
+    eagerly: compiled there it breaks its graph at the accelerator's fp16 probe and
+    recompiles per matrix shape and aspect, about 15 frames a rank before its first
+    step completes, for a step no faster than eager (benchmarks/muon_compile_cpu.py).
+    ZeRO 0, 1, 2 and 3 and the BF16 optimizer all look ``muon_update`` up in its module
+    at call time, so replacing it there reaches every path. Other accelerators keep
+    DeepSpeed's compiled update. Returns a line for the log, or None."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return None
+    import torch
+    from deepspeed.runtime.zero.muon import original_muon
+    compiled = original_muon.muon_update
+    if not getattr(compiled, EAGER_MARK, False):
+        @functools.wraps(compiled)
+        def muon_update(*args, **kwargs):
+            with torch.compiler.set_stance("force_eager"):
+                return compiled(*args, **kwargs)
+        setattr(muon_update, EAGER_MARK, True)
+        original_muon.muon_update = muon_update
+    return "Muon: DeepSpeed's update runs eagerly on the CPU accelerator (compiled, it recompiles per shape " \
+           "for no faster step)"
 
 
 def muon_split(model, model_parameters):

@@ -21,6 +21,8 @@ training pieces.
   expert outside the model is refused on load.
 - Parameter counts of the published shapes (meta device) equal transformers' for the
   same config; config errors; config_from_hf reads transformers' own and legacy forms.
+- DeepSpeed's Muon: which matrices go to Newton-Schulz; on the CPU accelerator its
+  update runs eagerly, compiling nothing.
 Single process; about 30 s.
 """
 
@@ -278,6 +280,30 @@ def test_attention_entries_per_query():
     assert ha.attention_entries(config, ha.HCA, seq_len=seq) == 128 + seq // 128
     assert ha.attention_entries(config, ha.CSA, seq_len=seq) == 128 + 512
     assert math.isclose(deepseek_v4._mean_keys(config, ha.SLIDING, seq_len=seq), 128 - 128 * 128 / (2 * seq))
+
+
+def test_muon_update_runs_eagerly_on_the_cpu_accelerator(monkeypatch):
+    """Compiled on the CPU accelerator, DeepSpeed's muon_update recompiles per matrix
+    shape (14 frames for this preset's matrices) for a slower step
+    (benchmarks/muon_compile_cpu.py); seekspeed's engines run it eagerly there: the
+    same values as DeepSpeed's function run eagerly, bitwise, and no frame compiled."""
+    import torch._dynamo.utils
+    from deepspeed.runtime.zero.muon import original_muon
+    from ds_ext.muon import eager_update_on_cpu
+    monkeypatch.setattr(original_muon, "muon_update", original_muon.muon_update)    # restored afterwards
+    compiled = original_muon.muon_update
+    assert eager_update_on_cpu() is not None and eager_update_on_cpu() is not None
+    assert original_muon.muon_update.__wrapped__ is compiled                          # wrapped once
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    g = torch.Generator().manual_seed(0)
+    for shape in ((8, 12), (12, 8), (16, 16)):
+        grad, momentum = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        mine = momentum.clone()
+        got = original_muon.muon_update(grad.clone(), mine, 0.95)
+        with torch.compiler.set_stance("force_eager"):
+            want = compiled(grad.clone(), momentum, 0.95)
+        assert torch.equal(got, want) and torch.equal(mine, momentum)
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
 
 
 def test_muon_split_sends_position_biases_to_the_auxiliary_adam_and_refuses_untagged():

@@ -24,7 +24,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ds_ext.comm import alltoall
-from ds_ext.muon import muon_split
+from ds_ext.muon import eager_update_on_cpu, muon_split
 
 from . import LAYER_OVERLAP_SCHEDULES, schedule_spec, schedules
 from .overlap import Interleaver, PerThread
@@ -511,9 +511,10 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     if config_class.optimizer_name == "muon":
-        split = muon_split(model, model_parameters)
+        lines = [muon_split(model, model_parameters), eager_update_on_cpu()]
         if dist.get_rank() == 0:
-            log(split)
+            for line in filter(None, lines):
+                log(line)
     engine = engine_cls(args=None, model=model, optimizer=None, model_parameters=model_parameters,
                         training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=None, collate_fn=None,
                         config=config, config_class=config_class, **extra)
