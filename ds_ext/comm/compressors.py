@@ -47,6 +47,12 @@ class ScratchPool:
     that changes from call to call (another chunk length, another tail) cannot make it
     grow: a buffer given back beyond the bounds is dropped, and the next take allocates."""
 
+    # a compressor's bounds: per chunk in flight it takes a few buffers of a size (TwoPhase:
+    # the encoded input, the decoded sum, the tail segment and the committed residuals handed
+    # back; TopK: the magnitudes and the accumulators swapped in each step), so 8 of a size
+    # covers 2 chunks in flight with room
+    COMPRESSOR_BOUNDS = {"per_size": 8, "sizes": 8}
+
     def __init__(self, per_size=None, sizes=None):
         self.free = {}
         self.per_size, self.sizes = per_size, sizes
@@ -118,7 +124,6 @@ class TopK:
     """
     phases = 1
     splittable = True
-    POOL_PER_SIZE, POOL_SIZES = 8, 8
 
     def __init__(self, *, ratio, selection="sampled", sample_ratio=0.01, error_feedback=True, momentum=0.0,
                  kernel="auto", seed=0):
@@ -127,7 +132,7 @@ class TopK:
         self.state = {}
         # this step's accumulators and the magnitudes selected from, in buffers the chunks
         # before gave back: a chunk's own accumulators are all it keeps between steps
-        self.pool = ScratchPool(per_size=self.POOL_PER_SIZE, sizes=self.POOL_SIZES)
+        self.pool = ScratchPool(**ScratchPool.COMPRESSOR_BOUNDS)
         self.generator = torch.Generator().manual_seed(seed)
         self.kernel = kernel
         self._kernel_module = None
@@ -512,9 +517,6 @@ class TwoPhase:
     # momentum it returns is this codec's scales and codes as the all-gather delivered them
     # (``gathered``), which the reducer keeps as M instead of its fp32 decoding
     fuses_momentum = True
-    # per chunk in flight: the encoded input, the decoded sum and the tail segment, and the
-    # committed residuals handed back; 8 of a size covers 2 chunks in flight with room
-    POOL_PER_SIZE, POOL_SIZES = 8, 8
 
     def __init__(self, codec, *, block_size=256, error_feedback=True, residual_dtype=torch.float32):
         self.codec, self.block_size, self.error_feedback = codec, block_size, error_feedback
@@ -525,7 +527,7 @@ class TwoPhase:
         self.state = {}
         # this step's residuals and scratch, from buffers the chunks before gave back (a
         # fresh gradient-sized allocation costs its page faults; one set per chunk in flight)
-        self.pool = ScratchPool(per_size=self.POOL_PER_SIZE, sizes=self.POOL_SIZES)
+        self.pool = ScratchPool(**ScratchPool.COMPRESSOR_BOUNDS)
         self.finite = {}        # key: whether its last exchange was finite (a non-finite one poisons the region)
         self.gathered = {}      # key: with momentum, the mean momentum as (scales, codes) on the chunk's block grid
 
