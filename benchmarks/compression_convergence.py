@@ -63,6 +63,9 @@ RUNS = {
     # kappa 1 frozen after 256: two more refreshes (steps 128 and 256) for long runs
     "momentum-sign-01-k1-f256": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                  "var_freeze_step": 256},
+    # and after 512: one refresh more (step 512), 21.6x over 1,000 steps by the arithmetic
+    "momentum-sign-01-k1-f512": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                 "var_freeze_step": 512},
     # kappa 1 frozen after 64: the schedule alone; sign with a scale every 32 entries (1 + 1 bit
     # an entry instead of 1 + 1/8); sign with the embedding and output head sent dense
     "momentum-fp32-01-k1-f64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
