@@ -1,6 +1,6 @@
 """DeepSpeed's Muon update on the CPU accelerator, compiled (DeepSpeed's own
-``torch.compile``) against eager (what seekspeed runs there, ds_ext/muon.py
-``eager_update_on_cpu``): the first optimizer step (tracing and compiling included),
+``torch.compile``) against eager (what ``seekspeed.muon_update: "auto"`` runs there,
+ds_ext/muon.py ``set_update``): the first optimizer step (tracing and compiling included),
 the frames Dynamo compiled, and the steady step, over the Newton-Schulz matrices of a
 recipe preset (every stage's, one process, one thread as a rank has).
 
@@ -34,15 +34,14 @@ def _child(mode, recipe, preset, steps):
     torch.set_num_threads(1)
     import torch._dynamo.utils
     from deepspeed.runtime.zero.muon import original_muon
-    from ds_ext.muon import eager_update_on_cpu, muon_matrices
+    from ds_ext.muon import muon_matrices, set_update
     from recipes import get_recipe
     from recipes.layers.reference import SequentialReference
     spec = get_recipe(recipe)
     model = SequentialReference(spec.layer_specs(spec.make_config(preset), seed=0))
     found = muon_matrices(model, prefix="model.", expert_ids=spec.expert_parameter_ids(model))
     shapes = found[False] + found[True]
-    if mode == "eager":
-        assert eager_update_on_cpu() is not None, "not on the CPU accelerator"
+    set_update("eager" if mode == "eager" else "compiled")
     update = original_muon.muon_update
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=g) for s in shapes]

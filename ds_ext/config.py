@@ -10,6 +10,7 @@ One JSON file holds DeepSpeed's own keys plus ``"seekspeed": {...}``:
       "overlap":    "auto" | "layer" | "none",
       "overlap_grad_reduce": false | true,
       "grad_norm":  "deepspeed" | "exact",
+      "muon_update": "auto" | "compiled" | "eager",
       "moe":        {"bias_update_speed": 0.001, "balance_loss_alpha": 0.0001},
       "data":       {"source": "stdlib", "tokenizer": "byte", "seq_len": 128, ...},
       "train":      {"steps": 300, "seed": 1234, "log_interval": 10},

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 from .pipe import check_micro_batches, check_schedule
 from .grad_norm import check_grad_norm
+from .muon import check_muon_update
 from .precision import check_dispatch_dtype, check_precision
 from .sections import SECTION
 
@@ -197,6 +198,7 @@ def resolve_layout(ds, *, world_size, section, path="config"):
     check_dispatch_dtype(ds, section.moe)
     check_overlap_grad_reduce(ds, section, zero=zero)
     check_grad_norm(ds, section, zero=zero)
+    check_muon_update(ds, section)
     ep = section.moe.expert_parallel_size
     if dp % ep:
         raise ConfigError(f"seekspeed.moe.expert_parallel_size {ep} does not divide the data-parallel size {dp} "

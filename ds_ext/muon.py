@@ -85,29 +85,43 @@ def muon_exempt(param):
     return param
 
 
-def eager_update_on_cpu():
-    """On DeepSpeed's CPU accelerator, DeepSpeed's ``muon_update`` (torch.compile'd) runs
-    eagerly: compiled there it breaks its graph at the accelerator's fp16 probe and
-    recompiles per matrix shape and aspect, about 15 frames a rank before its first
-    step completes, for a step no faster than eager (benchmarks/muon_compile_cpu.py).
-    ZeRO 0, 1, 2 and 3 and the BF16 optimizer all look ``muon_update`` up in its module
-    at call time, so replacing it there reaches every path. Other accelerators keep
-    DeepSpeed's compiled update. Returns a line for the log, or None."""
-    from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() != "cpu":
-        return None
+def check_muon_update(ds, section):
+    """Refuse, in one line, ``seekspeed.muon_update`` set to "compiled" or "eager" when
+    the optimizer is not DeepSpeed's Muon (the key would do nothing)."""
+    if section.muon_update != "auto" and not uses_muon(ds):
+        raise ConfigError(f"seekspeed.muon_update {section.muon_update!r} chooses how DeepSpeed's Muon runs its "
+                          f"update, and optimizer.type is {ds.get('optimizer', {}).get('type')!r}: remove the key "
+                          f"or set optimizer.type Muon")
+
+
+def set_update(mode):
+    """How DeepSpeed's ``muon_update`` (torch.compile'd) runs in this process:
+    "compiled" as DeepSpeed ships it, "eager", or "auto": eager on the CPU accelerator,
+    compiled elsewhere. On the CPU a compiled update breaks its graph at the
+    accelerator's fp16 probe and recompiles per matrix shape and aspect (14 frames for
+    DeepSeek-V4 tiny's matrices): its first step takes half a minute with an empty
+    Inductor cache, which a CPU run of a few hundred steps does not earn back
+    (benchmarks/muon_compile_cpu.py). Eager replaces the module's ``muon_update`` with a
+    wrapper running it under ``set_stance("force_eager")``; ZeRO 0-3 and the BF16
+    optimizer all look it up in its module at call time. Returns a line for the log."""
     import torch
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.muon import original_muon
-    compiled = original_muon.muon_update
-    if not getattr(compiled, EAGER_MARK, False):
-        @functools.wraps(compiled)
-        def muon_update(*args, **kwargs):
-            with torch.compiler.set_stance("force_eager"):
-                return compiled(*args, **kwargs)
-        setattr(muon_update, EAGER_MARK, True)
-        original_muon.muon_update = muon_update
-    return "Muon: DeepSpeed's update runs eagerly on the CPU accelerator (compiled, it recompiles per shape " \
-           "for no faster step)"
+    current = original_muon.muon_update
+    compiled = current.__wrapped__ if getattr(current, EAGER_MARK, False) else current
+    if mode == "auto":
+        mode = "eager" if get_accelerator().device_name() == "cpu" else "compiled"
+    if mode == "compiled":
+        original_muon.muon_update = compiled
+        return "Muon: DeepSpeed's update compiled (torch.compile)"
+
+    @functools.wraps(compiled)
+    def muon_update(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return compiled(*args, **kwargs)
+    setattr(muon_update, EAGER_MARK, True)
+    original_muon.muon_update = muon_update
+    return "Muon: DeepSpeed's update runs eagerly (seekspeed.muon_update; compiled, it recompiles per shape on the CPU)"
 
 
 def muon_split(model, model_parameters):

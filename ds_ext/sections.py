@@ -11,6 +11,7 @@ from .pipe import LAYER_OVERLAP_SCHEDULES, schedule_spec
 
 OVERLAP_CHOICES = ("auto", "layer", "none")
 GRAD_NORM_CHOICES = ("deepspeed", "exact")
+MUON_UPDATE_CHOICES = ("auto", "compiled", "eager")
 
 SECTION = "seekspeed"
 
@@ -423,6 +424,10 @@ class SeekspeedSection:
     # the global gradient norm (clipping, the logged norm): DeepSpeed's ("deepspeed"), or
     # one that does not depend on the layout ("exact", ds_ext/grad_norm.py)
     grad_norm: str = "deepspeed"
+    # DeepSpeed's Muon update: torch.compile'd as DeepSpeed ships it ("compiled"), run
+    # eagerly ("eager"), or "auto": eager on the CPU accelerator, compiled elsewhere
+    # (ds_ext/muon.py); optimizer.type Muon only
+    muon_update: str = "auto"
     moe: MoeSection = field(default_factory=MoeSection)
     mtp: MtpSection = field(default_factory=MtpSection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -436,7 +441,8 @@ class SeekspeedSection:
 
     def check(self, where):
         schedule_spec(self.schedule, where=f"{where}.schedule")
-        _check_choices(where, self, overlap=OVERLAP_CHOICES, grad_norm=GRAD_NORM_CHOICES)
+        _check_choices(where, self, overlap=OVERLAP_CHOICES, grad_norm=GRAD_NORM_CHOICES,
+                       muon_update=MUON_UPDATE_CHOICES)
 
     # the recipes' own sections ({name: parsed section}, RecipeSpec.sections), set by load_config
     recipe_config: dict = field(default_factory=dict, init=False)

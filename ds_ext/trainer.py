@@ -244,7 +244,7 @@ def _build_engine(plan, model, topo, *, rank):
     engine = initialize(model=model, config=plan.ds_config, schedule=s.schedule, overlap=plan.overlap,
                         model_parameters=[p for p in model.parameters() if p.requires_grad], comm=s.comm,
                         checkpoint=s.checkpoint if plan.checkpoint_dir else None, node_of=topo.node_of,
-                        overlap_grad_reduce=s.overlap_grad_reduce, grad_norm=s.grad_norm,
+                        overlap_grad_reduce=s.overlap_grad_reduce, grad_norm=s.grad_norm, muon_update=s.muon_update,
                         log=lambda line: print(line, flush=True))
     if engine.has_moe_layers and rank == 0:
         print(f"moe: {model_config.n_routed_experts} routed experts per layer, expert-parallel degree "

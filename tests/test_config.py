@@ -440,6 +440,36 @@ def test_exact_grad_norm_loads_or_is_refused_in_one_line_for_every_shipped_confi
     assert sorted(os.listdir(tmp_path)) == [name]                    # nothing written beside the config
 
 
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "ds_configs")) if n.endswith(".json")))
+def test_muon_update_loads_with_muon_or_is_refused_in_one_line_for_every_shipped_config(tmp_path, name):
+    """``seekspeed.muon_update`` in every config of ds_configs/: "compiled" and "eager"
+    load where the optimizer is DeepSpeed's Muon and are refused in one line elsewhere
+    (the key would do nothing); a value that is not a choice is refused; nothing is
+    written beside the config."""
+    src = os.path.join(ROOT, "ds_configs", name)
+    world = _shipped_world(src)
+    with open(src) as f:
+        cfg = json.load(f)
+    path = tmp_path / name
+    muon = cfg["optimizer"]["type"].lower() == "muon"
+    for mode in ("compiled", "eager"):
+        cfg["seekspeed"]["muon_update"] = mode
+        path.write_text(json.dumps(cfg))
+        if muon:
+            assert load_config(str(path), world_size=world).section.muon_update == mode
+            continue
+        with pytest.raises(ConfigError, match=rf"^seekspeed\.muon_update '{mode}' chooses how DeepSpeed's Muon runs "
+                                              rf"its update, and optimizer\.type is .*: remove the key or set "
+                                              rf"optimizer\.type Muon$"):
+            load_config(str(path), world_size=world)
+    cfg["seekspeed"]["muon_update"] = "fast"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^seekspeed\.muon_update 'fast' is not one of \['auto', 'compiled', "
+                                          r"'eager'\]$"):
+        load_config(str(path), world_size=world)
+    assert sorted(os.listdir(tmp_path)) == [name]                    # nothing written beside the config
+
+
 def test_checking_a_muon_config_compiles_nothing():
     """The optimizer trial steps DeepSpeed's Muon, whose update is torch.compile'd: run
     eagerly it checks the same values without compiling for a 2x2 matrix on every rank

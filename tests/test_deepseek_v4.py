@@ -284,15 +284,18 @@ def test_attention_entries_per_query():
 
 def test_muon_update_runs_eagerly_on_the_cpu_accelerator(monkeypatch):
     """Compiled on the CPU accelerator, DeepSpeed's muon_update recompiles per matrix
-    shape (14 frames for this preset's matrices) for a slower step
-    (benchmarks/muon_compile_cpu.py); seekspeed's engines run it eagerly there: the
-    same values as DeepSpeed's function run eagerly, bitwise, and no frame compiled."""
+    shape (14 frames for this preset's matrices) and its first step takes half a minute
+    (benchmarks/muon_compile_cpu.py); ``seekspeed.muon_update`` "auto" runs it eagerly
+    there: the same values as DeepSpeed's function run eagerly, bitwise, and no frame
+    compiled; "compiled" gives DeepSpeed's function back. Set without Muon, the key is
+    refused in one line."""
     import torch._dynamo.utils
     from deepspeed.runtime.zero.muon import original_muon
-    from ds_ext.muon import eager_update_on_cpu
+    from ds_ext.muon import check_muon_update, set_update
+    from ds_ext.sections import SeekspeedSection, TrainSection
     monkeypatch.setattr(original_muon, "muon_update", original_muon.muon_update)    # restored afterwards
     compiled = original_muon.muon_update
-    assert eager_update_on_cpu() is not None and eager_update_on_cpu() is not None
+    assert "eagerly" in set_update("auto") and "eagerly" in set_update("eager")
     assert original_muon.muon_update.__wrapped__ is compiled                          # wrapped once
     frames = dict(torch._dynamo.utils.counters["frames"])
     g = torch.Generator().manual_seed(0)
@@ -304,6 +307,13 @@ def test_muon_update_runs_eagerly_on_the_cpu_accelerator(monkeypatch):
             want = compiled(grad.clone(), momentum, 0.95)
         assert torch.equal(got, want) and torch.equal(mine, momentum)
     assert dict(torch._dynamo.utils.counters["frames"]) == frames
+    assert "compiled" in set_update("compiled") and original_muon.muon_update is compiled
+
+    section = SeekspeedSection(train=TrainSection(steps=1), muon_update="eager")
+    check_muon_update({"optimizer": {"type": "Muon"}}, section)
+    with pytest.raises(ConfigError, match=r"seekspeed.muon_update 'eager' .* optimizer.type is 'AdamW': remove the "
+                                          r"key or set optimizer.type Muon"):
+        check_muon_update({"optimizer": {"type": "AdamW"}}, section)
 
 
 def test_muon_split_sends_position_biases_to_the_auxiliary_adam_and_refuses_untagged():

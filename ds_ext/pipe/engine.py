@@ -24,7 +24,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ds_ext.comm import alltoall
-from ds_ext.muon import eager_update_on_cpu, muon_split
+from ds_ext.muon import muon_split, set_update
 
 from . import LAYER_OVERLAP_SCHEDULES, schedule_spec, schedules
 from .overlap import Interleaver, PerThread
@@ -490,14 +490,15 @@ def _engine_class(schedule, overlap="none"):
 
 
 def initialize(*, model, config, model_parameters, schedule, overlap="none", comm=None, checkpoint=None, node_of=None,
-               overlap_grad_reduce=False, grad_norm="deepspeed", log=print):
+               overlap_grad_reduce=False, grad_norm="deepspeed", muon_update="auto", log=print):
     """deepspeed.initialize for a pipeline module, with the engine class ``schedule``
     needs (``overlap`` "layer": F&B chunks interleaved, see ds_ext/pipe/overlap.py); when
     ``comm`` (a ``seekspeed.comm`` section) names a compressor, the
     compressed gradient reduction; when ``checkpoint`` (a ``seekspeed.checkpoint``
     section) names engine async-zstd, that checkpoint engine; with ``overlap_grad_reduce``
     the data-parallel reduction overlapped with the drain (ds_ext/pipe/grad_overlap.py);
-    ``grad_norm`` "exact": the layout-independent gradient norm (ds_ext/grad_norm.py).
+    ``grad_norm`` "exact": the layout-independent gradient norm (ds_ext/grad_norm.py);
+    ``muon_update``: how DeepSpeed's Muon runs its update (ds_ext/muon.py ``set_update``).
     Follows deepspeed.initialize's pipeline branch
     (config parsed with the module's grid as mpu, optimizer flags, engine), which has
     no hook for choosing the engine class. Returns the engine."""
@@ -511,9 +512,9 @@ def initialize(*, model, config, model_parameters, schedule, overlap="none", com
     config_class = DeepSpeedConfig(config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     if config_class.optimizer_name == "muon":
-        lines = [muon_split(model, model_parameters), eager_update_on_cpu()]
+        lines = [muon_split(model, model_parameters), set_update(muon_update)]
         if dist.get_rank() == 0:
-            for line in filter(None, lines):
+            for line in lines:
                 log(line)
     engine = engine_cls(args=None, model=model, optimizer=None, model_parameters=model_parameters,
                         training_data=None, lr_scheduler=None, mpu=mpu, dist_init_required=None, collate_fn=None,
