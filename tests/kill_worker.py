@@ -1,5 +1,5 @@
 """One rank of launch/train.py (ds_ext.trainer.main) whose save path is traced, for
-tests/test_kill_resume.py. The functions of the real checkpoint engines are wrapped in
+tests/kill_resume.py. The functions of the real checkpoint engines are wrapped in
 this process only (the library is unchanged), as tests/checkpoint_worker.py does for
 the asynchronous engine on its own:
 
