@@ -121,7 +121,7 @@ def set_update(mode):
             return compiled(*args, **kwargs)
     setattr(muon_update, EAGER_MARK, True)
     original_muon.muon_update = muon_update
-    return "Muon: DeepSpeed's update runs eagerly (seekspeed.muon_update; compiled, it recompiles per shape on the CPU)"
+    return "Muon: DeepSpeed's update runs eagerly (seekspeed.muon_update)"
 
 
 def muon_split(model, model_parameters):
