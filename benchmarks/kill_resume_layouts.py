@@ -28,13 +28,13 @@ from benchmarks import machine_line, write_figures
 
 
 def main():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")       # before DeepSpeed is imported, here or in the ranks
     from tests.kill_resume import check_case, layout_cases, shipped_cases
     known = {**layout_cases(), **shipped_cases()}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(layout_cases()), choices=sorted(known), metavar="CASE")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rows = []
     for i, case in enumerate(args.cases, 1):
         name, change = known[case]
