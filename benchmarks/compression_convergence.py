@@ -66,6 +66,14 @@ RUNS = {
     # and after 512: one refresh more (step 512), 21.6x over 1,000 steps by the arithmetic
     "momentum-sign-01-k1-f512": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                  "var_freeze_step": 512},
+    # the clip norm as an all-reduced count sketch of the average (clip_norm "sketch") instead of
+    # the root mean square of the ranks' own norms, which clips harder than dense AdamW
+    "momentum-sign-01-k1-f64-sketch": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                       "var_freeze_step": 64, "clip_norm": "sketch"},
+    "momentum-fp32-01-k1-f64-sketch": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
+                                       "var_freeze_step": 64, "clip_norm": "sketch"},
+    "momentum-sign-01-k1-f256-sketch": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                        "var_freeze_step": 256, "clip_norm": "sketch"},
     # kappa 1 frozen after 64: the schedule alone; sign with a scale every 32 entries (1 + 1 bit
     # an entry instead of 1 + 1/8); sign with the embedding and output head sent dense
     "momentum-fp32-01-k1-f64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,

@@ -287,6 +287,13 @@ class CommSection:
     # refreshes, until var_freeze_step; null: frozen for good after warmup_steps (1-bit Adam)
     var_update_scaler: int | None = None
     var_freeze_step: int = 100000
+    # target momentum under gradient clipping: the norm of the step's averaged gradient, needed
+    # before the exchange, as "rms" (the root mean square of the ranks' own norms: no bytes, an
+    # upper bound, so it clips harder than DeepSpeed's dense clip) or "sketch" (a count sketch of
+    # clip_sketch_buckets fp32 entries all-reduced per reduce call: an unbiased estimate, relative
+    # standard deviation about sqrt(2 / buckets) of the squared norm; ds_ext/comm/norm_sketch.py)
+    clip_norm: str = "rms"
+    clip_sketch_buckets: int = 1024
     min_numel: int = 16384          # smaller tensors go dense
     # parameter-name patterns (fnmatch) reduced dense whatever the compressor; unset: the
     # compressor's own list (powersgd: the embedding and output head, whose gradients are
@@ -342,6 +349,16 @@ class CommSection:
             if self.var_freeze_step < 1:
                 raise ConfigError(f"{where}.var_freeze_step {self.var_freeze_step}: the last step the variance may be "
                                   f"refreshed at must be >= 1 (0/1 Adam: the end of the lr warm-up)")
+        if self.clip_norm not in ("rms", "sketch"):
+            raise ConfigError(f"{where}.clip_norm {self.clip_norm!r} is not one of ['rms', 'sketch']")
+        if self.clip_norm == "sketch" and self.target != "momentum":
+            raise ConfigError(f"{where}.clip_norm 'sketch' estimates the norm target 'momentum' clips by before its "
+                              f"exchange; target {self.target!r} clips the averaged gradient, exactly, as DeepSpeed "
+                              f"does: remove clip_norm or set target 'momentum'")
+        if self.clip_sketch_buckets < 16:
+            raise ConfigError(f"{where}.clip_sketch_buckets {self.clip_sketch_buckets}: the sketched squared norm's "
+                              f"relative standard deviation is about sqrt(2 / buckets), so fewer than 16 leaves it "
+                              f"over 35 %; use 1024 (2.2 % on the norm for 4 KB a reduce call)")
         from ds_ext.comm.traffic import RESIDUAL_BYTES, TWO_PHASE
         if self.residual_dtype not in RESIDUAL_BYTES:
             raise ConfigError(f"{where}.residual_dtype {self.residual_dtype!r} is not one of {list(RESIDUAL_BYTES)}")

@@ -23,10 +23,11 @@ from tests.numerics import assert_within, gamma
 from tests.test_comm_engine import MOE, engine_and_batches
 
 
-def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=False):
+def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=False, clip_norm="rms", coefs=False):
     """``nodes`` > 0: hierarchical over that many simulated nodes of consecutive ranks;
     ``clip`` > 0: the momentum made of gradients clipped to that norm; ``ahead``: its
-    coefficient found before the exchange (GradientReducer.clip_ahead)."""
+    coefficient found before the exchange (GradientReducer.clip_ahead); ``clip_norm``:
+    seekspeed.comm's; ``coefs``: return each step's clip coefficient instead."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     from ds_ext.config import CommSection
@@ -35,8 +36,8 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=F
     node_of = [r * max(nodes, 1) // world for r in range(world)]
     groups = NodeGroups.for_subsets(node_of, [list(range(world))]) if nodes else None
     reducer = GradientReducer(CommSection(compressor=compressor, target="momentum", warmup_steps=warmup,
-                                          min_numel=1000, hierarchical=bool(nodes)), node_groups=groups,
-                              node_of=node_of)
+                                          min_numel=1000, hierarchical=bool(nodes), clip_norm=clip_norm),
+                              node_groups=groups, node_of=node_of)
     reducer.beta1 = 0.9
     reducer.clip = clip
     out = []
@@ -48,8 +49,90 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=F
             reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
         reducer.end_step()
-        out.append([x.clone() for x in grads])
+        out.append(reducer.last.clip_coef if coefs else [x.clone() for x in grads])
     return out
+
+
+def _buckets(x, k, power):
+    """Per bucket of a count sketch with ``k`` buckets (element p of the concatenation
+    in bucket p mod k): the sum of |x_p|^power, float64."""
+    v = x.abs().pow(power)
+    return torch.nn.functional.pad(v, (0, -len(v) % k)).view(-1, k).sum(0)
+
+
+def test_count_sketch_is_one_linear_map_with_an_unbiased_squared_norm():
+    """seekspeed.comm.clip_norm "sketch" (ds_ext/comm/norm_sketch.py). The ranks'
+    sketches are all-reduced, so the sketch must be one linear map for a given seed:
+    S(a) + S(b) = S(a + b), the same on every call (bitwise), another at another seed.
+    Evaluated in float64, each bucket is a sum of at most m = rows + tensors + 2 terms
+    of the bucket's |x| (a matrix-vector product per tensor, the tail, the per-tensor
+    adds), so it lies within gamma_m(float64) x that sum of the exact value; the fp32 and
+    bf16 routes within gamma_m(fp32) (bf16 inputs are exact in fp32). Unbiased: over N
+    seeds the mean of |S x|^2 is within 5 standard errors of |x|^2, the variance being
+    the estimator's own, 2 sum_b (m_b^2 - sum_{p in b} x_p^4) (derived in the module):
+    a fixed set of seeds, so the check is deterministic; a sign shared inside a bucket
+    would bias the mean by 2 x_p x_q, far outside it."""
+    from ds_ext.comm.norm_sketch import count_sketch
+    k = 64
+    g = torch.Generator().manual_seed(7)
+    lengths = (5, 100, 1000, 37, 64)       # under k, a row and a tail, many rows, exactly one row
+    a = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    a[2][:50] *= 10                        # mass spread unevenly over the buckets
+    b = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    flat_a, flat_b = torch.cat(a), torch.cat(b)
+    m = max(lengths) // k + len(lengths) + 2
+    s_a, s_b = count_sketch(a, k, seed=3), count_sketch(b, k, seed=3)
+    s_ab = count_sketch([x + y for x, y in zip(a, b)], k, seed=3)
+    bound = gamma(m, np.float64) * (_buckets(flat_a, k, 1) + _buckets(flat_b, k, 1) + _buckets(flat_a + flat_b, k, 1))
+    assert_within(s_a + s_b, s_ab.numpy(), bound.numpy(), what="S(a) + S(b) against S(a + b)")
+    assert torch.equal(count_sketch(a, k, seed=3), s_a) and not torch.equal(count_sketch(a, k, seed=4), s_a)
+    for dtype in (torch.float32, torch.bfloat16):
+        low = [x.to(dtype) for x in a]
+        exact = count_sketch([x.double() for x in low], k, seed=3)
+        got = count_sketch(low, k, seed=3)
+        assert got.dtype == torch.float32
+        assert_within(got.double(), exact.numpy(), (gamma(m) * _buckets(torch.cat(low).double(), k, 1)).numpy(),
+                      what=f"{dtype} against float64")
+    n_seeds, true = 500, float(flat_a.pow(2).sum())
+    est = torch.tensor([float(count_sketch(a, k, seed=s).pow(2).sum()) for s in range(n_seeds)], dtype=torch.float64)
+    var = float(2 * (_buckets(flat_a, k, 2).pow(2) - _buckets(flat_a, k, 4)).sum())
+    assert abs(float(est.mean()) - true) <= 5 * (var / n_seeds) ** 0.5, (float(est.mean()), true, var)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ahead", [True, False])
+def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder(ahead):
+    """clip_norm "sketch" on 2 ranks, the fp32 path, every momentum step clipping (clip
+    30: the gradients' norms are near 58 a rank and 41 averaged). The coefficient the
+    step took, c = clip / (norm + 1e-6), gives back the norm it used; its square is the
+    sketch's estimate of the average's squared norm, whose relative standard deviation
+    is sqrt(2 sum_b (m_b^2 - sum x^4)) / |x|^2 (about sqrt(2 / 1024) = 4.4 %), computed
+    here from the float64 average: within 6 of them (a fixed draw: Chebyshev puts a
+    6-sigma miss at under 3 %, and it either holds on every machine or on none, up to
+    the fp32 sums' rounding, ~1e-6). "rms" (the default) uses the root mean square of
+    the two ranks' norms, 40 % above the average's: its coefficient is DeepSpeed's
+    formula on that norm."""
+    steps, warmup, clip, k = 5, 2, 30.0, 1024
+    sketched = run_ranks(_momentum_reducer_rank, world_size=2,
+                         args=("fp32", steps, warmup, 0, clip, ahead, "sketch", True))
+    rms = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup, 0, clip, ahead, "rms", True))
+    assert sketched[0] == sketched[1] and rms[0] == rms[1]       # one scalar all-reduce: every rank's c alike
+    for step in range(warmup, steps):
+        grads = []
+        for rank in range(2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            grads.append(torch.cat([torch.randn(64, 48, generator=g).double().reshape(-1),
+                                    torch.randn(300, generator=g).double()]))
+        mean = (grads[0] + grads[1]) / 2
+        true = float(mean.pow(2).sum())
+        sigma = float(2 * (_buckets(mean, k, 2).pow(2) - _buckets(mean, k, 4)).sum()) ** 0.5 / true
+        used = (clip / sketched[0][step] - 1e-6) ** 2
+        assert abs(used / true - 1) <= 6 * sigma, (step, used, true, sigma)
+        rms_norm = float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2) ** 0.5
+        # its norm an fp32 sum of 3,372 squares a rank (two partial sums, the weight, the
+        # 2-rank sum, the root): relative error under gamma_(n + 6), as above
+        np.testing.assert_allclose(rms[0][step], clip / (rms_norm + 1e-6), rtol=gamma(3372 + 6))
+        assert rms_norm > 1.3 * true ** 0.5
 
 
 @pytest.mark.multirank
@@ -355,6 +438,11 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
     ({"compressor": "sign", "target": "momentum", "var_update_scaler": 0}, r"var_update_scaler 0: .* must be >= 1"),
     ({"compressor": "sign", "target": "momentum", "var_update_scaler": 4, "var_freeze_step": 0},
      r"var_freeze_step 0: .* must be >= 1"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "clip_norm": "exact"},
+     r"clip_norm 'exact' is not one of \['rms', 'sketch'\]"),
+    ({"compressor": "sign", "clip_norm": "sketch"}, r"clip_norm 'sketch' .* remove clip_norm or set target 'momentum'"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "clip_norm": "sketch", "clip_sketch_buckets": 8},
+     r"clip_sketch_buckets 8: .* use 1024"),
 ])
 def test_bad_momentum_settings_are_one_line_errors(raw, match):
     from ds_ext.config import SeekspeedSection

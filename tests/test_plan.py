@@ -651,3 +651,26 @@ def test_zero_one_schedule_is_named_with_its_dense_steps(tmp_path, capsys):
     for run in (300, 1000):
         assert dense_steps(section, run) == taken[run]
     assert "var_update_scaler 4, var_freeze_step 500" in text and f"{taken[300]} of the first 300" in text
+
+
+def test_sketched_clip_norm_adds_one_small_all_reduce_a_group():
+    """seekspeed.comm.clip_norm "sketch": each data-parallel group's compressed reduction
+    gains a flat all-reduce of the sketch's 4 x clip_sketch_buckets bytes (the dense
+    figures are DeepSpeed's, unchanged); 16 nodes x 8 ranks, sign's two-phase payload."""
+    from ds_ext.comm.traffic import payload_bytes
+    from ds_ext.planner import collectives as cc
+    from ds_ext.planner.reductions import dp_group
+    hw = Hardware()
+    members = [r // 8 for r in range(128)]
+
+    def payload(numel, ranks):
+        return payload_bytes("sign", numel=numel, block_size=256)
+    kw = dict(numel=50_000_000, grad_bytes=4, members=members, hw=hw, compressor="sign", hierarchical=False,
+              payload=payload)
+    base, sketched = dp_group(**kw), dp_group(**kw, sketch_bytes=4096)
+    extra = cc.all_reduce(4096, nodes=16, per_node=8, fabric=hw.fabric())
+    for k in ("intra_bytes", "inter_bytes", "seconds"):
+        assert sketched[k] == base[k]
+    assert sketched["inter_bytes_compressed"] == pytest.approx(base["inter_bytes_compressed"] + extra.inter_bytes)
+    assert sketched["seconds_compressed"] == pytest.approx(base["seconds_compressed"] + extra.seconds)
+    assert 0 < extra.inter_bytes < 1e-3 * base["inter_bytes_compressed"]

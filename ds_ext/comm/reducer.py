@@ -43,6 +43,7 @@ import torch
 import torch.distributed as tdist
 
 from .compressors import Collective, Dense, ScratchPool, make_compressor
+from .norm_sketch import count_sketch, sketch_seed
 
 
 def _unflatten(flat, tensors):
@@ -245,7 +246,7 @@ class GradientReducer:
         clipping = self.section.target == "momentum" and self.clip > 0
         ahead = self._ahead is not None      # set by clip_ahead on a clipped momentum step only
         if clipping and sending and not ahead:
-            self._add_norm_terms(grads, self._norm_weight(members, divide_by, divided_later_by))
+            self._add_sent_norm_terms(grads, group, key, divide_by, divided_later_by)
         if sending:     # the ranks' momenta, averaged below; clipped as they are formed when c is known
             local, scale = (1.0 - self.beta1) * members * scale * (self._ahead if ahead else 1.0), 1.0 / members
         if small:
@@ -318,19 +319,39 @@ class GradientReducer:
         """Target momentum under clipping, on a momentum step whose every gradient is at
         hand before the first exchange (the reduction at the step's end, not overlapped
         with the backward): ``calls``, the step's ``reduce`` calls to come as (grads, the
-        call's keyword arguments: group, divide_by, divided_later_by). The coefficient c (as ``_settle_momentum``
-        computes it, from the root mean square of the ranks' local norms) is found
-        first, and each rank's momentum is formed as b1 M + (1 - b1) c g_i: the mean is
-        the same c-clipped momentum the exchange-then-mix path gives, but what the
+        call's keyword arguments: group, divide_by, divided_later_by, key). The
+        coefficient c (as ``_settle_momentum`` computes it, from the norm ``clip_norm``
+        names) is found first, and each rank's momentum is formed as b1 M + (1 - b1) c
+        g_i: the mean is the same c-clipped momentum the exchange-then-mix path gives, but what the
         compressor encodes, and what its error feedback carries into the next step, is
         the clipped momentum itself, and the mean is kept as the compressor delivered it.
         One scalar all-reduce ahead of the exchange instead of after it."""
         if not (self.section.target == "momentum" and self.clip > 0 and self.momentum_step):
             return
         for grads, kw in calls:      # the gradients reduce_steps would add, empty ones left out as there
-            weight = self._norm_weight(tdist.get_world_size(kw["group"]), kw["divide_by"], kw.get("divided_later_by", 1))
-            self._add_norm_terms([g for g in grads if g.numel()], weight)
+            self._add_sent_norm_terms([g for g in grads if g.numel()], kw["group"], kw.get("key"), kw["divide_by"],
+                                      kw.get("divided_later_by", 1))
         self._ahead = self._clip_coefficient()
+
+    def _add_sent_norm_terms(self, grads, group, key, divide_by, divided_later_by):
+        """A momentum step's share of the clip norm, before the exchange (``clip_norm``):
+        "rms", f^2 |g_i|^2 / n for this rank's own gradient (the world's sum: the mean of
+        the ranks' squared norms, an upper bound of the average's); "sketch", the group's
+        all-reduced count sketch of the f g_i / n, whose squared norm estimates the
+        average's (norm_sketch.py), added as 1 / n of it by each of the n members."""
+        members = tdist.get_world_size(group)
+        if self.section.clip_norm != "sketch":
+            self._add_norm_terms(grads, self._norm_weight(members, divide_by, divided_later_by))
+            return
+        t0 = time.perf_counter()
+        sketch = count_sketch(grads, self.section.clip_sketch_buckets, sketch_seed(self.steps, key),
+                              scale=1.0 / (divide_by * divided_later_by))
+        self.stats.compress_s += time.perf_counter() - t0
+        work = self._launch(Collective("all_reduce", sketch, group))
+        t0 = time.perf_counter()
+        work.wait()
+        self.stats.wait_s += time.perf_counter() - t0
+        self._norm_terms.append(sketch.square().sum() / members)
 
     def _clip_coefficient(self):
         """DeepSpeed's min(1, clip / (norm + 1e-6)) from this step's squared-norm terms,
@@ -366,7 +387,8 @@ class GradientReducer:
         while DeepSpeed clips G for its optimizer itself; on a momentum step each rank's
         gradient is only known locally, so the norm is the root mean square of the
         ranks' local norms, an upper bound of the average's (|mean g_i|^2 <= mean
-        |g_i|^2), and since M_t = b1 M + (1 - b1) G is linear in G the clipped
+        |g_i|^2), or with ``clip_norm: "sketch"`` an unbiased estimate of the average's
+        from the group's all-reduced count sketch (norm_sketch.py), and since M_t = b1 M + (1 - b1) G is linear in G the clipped
         momentum is c M_t + (1 - c) b1 M, formed after the exchange, returned to the
         optimizer and kept. One scalar all-reduce over the world a step."""
         pending, self._pending = self._pending, []

@@ -68,9 +68,13 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
             groups.append((st.expert_params, [placement.node(rank, d) for d in range(0, dp, ep)], False,
                            stage_matrices[rank][True]))
         g, kept_state = None, {}
+        # target momentum's clip norm sketched (clip_norm "sketch"): one small all-reduce a group
+        # (none without gradient clipping; the planner prices it whenever it is configured)
+        sketch = 4 * comm.clip_sketch_buckets if comm.target == "momentum" and comm.clip_norm == "sketch" else 0
         for numel, members, hier, matrices in groups:
             one = dp_group(numel=numel, grad_bytes=m.precision.reduce, members=members, hw=hw,
-                           compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0])
+                           compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0],
+                           sketch_bytes=sketch)
             g = one if g is None else {k: g[k] + one[k] for k in g}
             for name, b in _comm_state(comm, numel, members, hierarchical=hier, matrices=matrices,
                                          grad_bytes=m.precision.reduce).items():
@@ -163,7 +167,7 @@ def optimizer_seconds(m, hw, stages, placement):
                          for rank, st in enumerate(stages))
 
 
-def dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payload):
+def dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payload, sketch_bytes=0):
     """Bytes on intra/inter-node links and seconds of one data-parallel group's
     gradient reduction, as NCCL runs the collectives (ds_ext/planner/collectives.py: ring
     or tree over the node's rails and NVLink, the faster for the size; the other
@@ -173,7 +177,8 @@ def dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payloa
     all-gather of the 1/n segments. Hierarchical: an all-reduce inside each node, then
     the payload across the nodes on each of the node's m rails (1/m of it each).
     ``members``: each member's node; ``payload(numel, ranks)``: the compressor's
-    (bytes, collective) over ``ranks``."""
+    (bytes, collective) over ``ranks``; ``sketch_bytes``: a flat all-reduce of that many
+    bytes over the group ahead of the compressed exchange (the clip norm's sketch)."""
     from . import collectives as cc
     n = len(members)
     per_node = {}
@@ -206,6 +211,8 @@ def dp_group(*, numel, grad_bytes, members, hw, compressor, hierarchical, payloa
         p_bytes, kind = payload(numel, nodes)
         rails = collectives(p_bytes / m, kind, nodes, nodes=nodes, per_node=1, fabric=fabric)
         steps = [(nodes, cc.all_reduce(size, nodes=1, per_node=m, fabric=fabric))] + [(m, c) for c in rails]
+    if sketch_bytes:
+        steps.append((1, cc.all_reduce(sketch_bytes, **group)))
     out["intra_bytes_compressed"] = sum(k * c.intra_bytes for k, c in steps)
     out["inter_bytes_compressed"] = sum(k * c.inter_bytes for k, c in steps)
     out["seconds_compressed"] = sum(c.seconds for _, c in steps)
