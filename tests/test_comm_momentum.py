@@ -99,10 +99,17 @@ def test_count_sketch_is_one_linear_map_with_an_unbiased_squared_norm():
     assert abs(float(est.mean()) - true) <= 5 * (var / n_seeds) ** 0.5, (float(est.mean()), true, var)
 
 
+def _clip_coefficients_rank(compressor, steps, warmup, clip):
+    """Each step's clip coefficient, per (ahead, clip_norm): found before the exchange or
+    mixed after it, from the root mean square or the sketch (one launch for the four)."""
+    return {(ahead, norm): _momentum_reducer_rank(compressor, steps, warmup, 0, clip, ahead, norm, True)
+            for ahead in (True, False) for norm in ("rms", "sketch")}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("ahead", [True, False])
-def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder(ahead):
-    """clip_norm "sketch" on 2 ranks, the fp32 path, every momentum step clipping (clip
+def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder():
+    """clip_norm "sketch" on 2 ranks, the fp32 path, the coefficient found ahead of the
+    exchange and mixed after it, every momentum step clipping (clip
     30: the gradients' norms are near 58 a rank and 41 averaged). The coefficient the
     step took, c = clip / (norm + 1e-6), gives back the norm it used; its square is the
     sketch's estimate of the average's squared norm, whose relative standard deviation
@@ -113,10 +120,13 @@ def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder(ahead):
     the two ranks' norms, 40 % above the average's: its coefficient is DeepSpeed's
     formula on that norm."""
     steps, warmup, clip, k = 5, 2, 30.0, 1024
-    sketched = run_ranks(_momentum_reducer_rank, world_size=2,
-                         args=("fp32", steps, warmup, 0, clip, ahead, "sketch", True))
-    rms = run_ranks(_momentum_reducer_rank, world_size=2, args=("fp32", steps, warmup, 0, clip, ahead, "rms", True))
-    assert sketched[0] == sketched[1] and rms[0] == rms[1]       # one scalar all-reduce: every rank's c alike
+    per_rank = run_ranks(_clip_coefficients_rank, world_size=2, args=("fp32", steps, warmup, clip))
+    assert per_rank[0] == per_rank[1]       # one scalar all-reduce: every rank's c alike
+    for ahead in (True, False):
+        _check_clip_coefficients(per_rank[0][(ahead, "sketch")], per_rank[0][(ahead, "rms")], steps, warmup, clip, k)
+
+
+def _check_clip_coefficients(sketched, rms, steps, warmup, clip, k):
     for step in range(warmup, steps):
         grads = []
         for rank in range(2):
@@ -126,12 +136,12 @@ def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder(ahead):
         mean = (grads[0] + grads[1]) / 2
         true = float(mean.pow(2).sum())
         sigma = float(2 * (_buckets(mean, k, 2).pow(2) - _buckets(mean, k, 4)).sum()) ** 0.5 / true
-        used = (clip / sketched[0][step] - 1e-6) ** 2
+        used = (clip / sketched[step] - 1e-6) ** 2
         assert abs(used / true - 1) <= 6 * sigma, (step, used, true, sigma)
         rms_norm = float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2) ** 0.5
         # its norm an fp32 sum of 3,372 squares a rank (two partial sums, the weight, the
         # 2-rank sum, the root): relative error under gamma_(n + 6), as above
-        np.testing.assert_allclose(rms[0][step], clip / (rms_norm + 1e-6), rtol=gamma(3372 + 6))
+        np.testing.assert_allclose(rms[step], clip / (rms_norm + 1e-6), rtol=gamma(3372 + 6))
         assert rms_norm > 1.3 * true ** 0.5
 
 
