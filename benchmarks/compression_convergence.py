@@ -74,6 +74,12 @@ RUNS = {
                                        "var_freeze_step": 64, "clip_norm": "sketch"},
     "momentum-sign-01-k1-f256-sketch": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                         "var_freeze_step": 256, "clip_norm": "sketch"},
+    # and the frozen variance rescaled between its updates by the tracked level of the averaged
+    # clipped gradient's squared norm (var_rescale, the sketched norm)
+    "momentum-sign-01-k1-f64-rescale": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                        "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": True},
+    "momentum-fp32-01-k1-f64-rescale": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
+                                        "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": True},
     # kappa 1 frozen after 64: the schedule alone; sign with a scale every 32 entries (1 + 1 bit
     # an entry instead of 1 + 1/8); sign with the embedding and output head sent dense
     "momentum-fp32-01-k1-f64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,

@@ -294,6 +294,11 @@ class CommSection:
     # standard deviation about sqrt(2 / buckets) of the squared norm; ds_ext/comm/norm_sketch.py)
     clip_norm: str = "rms"
     clip_sketch_buckets: int = 1024
+    # target momentum: between the variance's updates, scale the frozen variance by how far
+    # dense Adam's would have moved, one factor for every element: the averaged clipped
+    # gradient's squared norm (the clip norm's, clip_norm) tracked as v is (beta2), now over
+    # its value at the last dense step; needs clip_norm "sketch" (the average's norm, unbiased)
+    var_rescale: bool = False
     min_numel: int = 16384          # smaller tensors go dense
     # parameter-name patterns (fnmatch) reduced dense whatever the compressor; unset: the
     # compressor's own list (powersgd: the embedding and output head, whose gradients are
@@ -355,6 +360,14 @@ class CommSection:
             raise ConfigError(f"{where}.clip_norm 'sketch' estimates the norm target 'momentum' clips by before its "
                               f"exchange; target {self.target!r} clips the averaged gradient, exactly, as DeepSpeed "
                               f"does: remove clip_norm or set target 'momentum'")
+        if self.var_rescale and self.target != "momentum":
+            raise ConfigError(f"{where}.var_rescale rescales the variance target 'momentum' freezes; set target "
+                              f"'momentum' or remove var_rescale")
+        if self.var_rescale and self.clip_norm != "sketch":
+            raise ConfigError(f"{where}.var_rescale tracks the averaged gradient's squared norm, and clip_norm 'rms' "
+                              f"gives the ranks' mean squared norm on momentum steps (above the average's by their "
+                              f"noise, so the variance would jump at every switch from dense steps): set clip_norm "
+                              f"'sketch'")
         if self.clip_sketch_buckets < 16:
             raise ConfigError(f"{where}.clip_sketch_buckets {self.clip_sketch_buckets}: the sketched squared norm's "
                               f"relative standard deviation is about sqrt(2 / buckets), so fewer than 16 leaves it "

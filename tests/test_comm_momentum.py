@@ -459,6 +459,9 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
     ({"compressor": "sign", "clip_norm": "sketch"}, r"clip_norm 'sketch' .* remove clip_norm or set target 'momentum'"),
     ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "clip_norm": "sketch", "clip_sketch_buckets": 8},
      r"clip_sketch_buckets 8: .* use 1024"),
+    ({"compressor": "sign", "var_rescale": True}, r"var_rescale rescales the variance .* remove var_rescale"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_rescale": True},
+     r"var_rescale .* clip_norm 'rms' .* set clip_norm 'sketch'"),
 ])
 def test_bad_momentum_settings_are_one_line_errors(raw, match):
     from ds_ext.config import SeekspeedSection
@@ -467,3 +470,113 @@ def test_bad_momentum_settings_are_one_line_errors(raw, match):
     with pytest.raises(ConfigError, match=match) as info:
         from_dict(SeekspeedSection, {"train": {"steps": 1}, "comm": raw}, where="seekspeed")
     assert "\n" not in str(info.value)
+
+
+def _level_rank(steps, warmup, clip):
+    """Each step's (variance_scale, scale_before) under var_rescale, the fp32 path, the
+    root-mean-square norm, 0/1 Adam's kappa 1 (dense steps 1, 2, 4 and the warm-up)."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    reducer = GradientReducer(CommSection(compressor="fp32", target="momentum", warmup_steps=warmup,
+                                          var_update_scaler=1, min_numel=1000, var_rescale=True),
+                              node_of=[0] * world)
+    reducer.beta1, reducer.beta2, reducer.clip = 0.9, 0.95, clip
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        grads = [torch.randn(64, 48, generator=g) * (1 + step) ** -0.5, torch.randn(300, generator=g)]
+        reducer.begin_step()
+        reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
+        reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+        reducer.end_step()
+        out.append((reducer.sent_momentum, reducer.variance_scale, reducer.scale_before))
+    return out
+
+
+@pytest.mark.multirank
+def test_var_rescale_tracks_dense_adams_summed_variance():
+    """var_rescale: the sum over elements of dense Adam's v is a beta2 moving average of
+    c^2 |G|^2; the reducer tracks it from each step's norm (exact on dense steps, the
+    ranks' root mean square on momentum steps, the clip's), bias-corrected as Adam does.
+    A dense step becomes the reference; a momentum step's variance_scale is the level
+    now over the reference; scale_before (what a refresh multiplies the frozen v by) the
+    level before the step's gradient over it. The arithmetic is checked with the root
+    mean square (exactly computable here; the config accepts var_rescale only with the
+    sketched norm, the root mean square being biased by the ranks' noise). Against a float64 reference from the same
+    gradients: every x_t = c_t^2 |.|^2 carries the relative error of an fp32 sum of
+    n = 3372 squares and a few scalings (gamma_(n + 6), as in the momentum test above);
+    a moving average of positive terms keeps that relative bound, and a ratio of two
+    adds them: 2 gamma_(n + 6)."""
+    steps, warmup, clip, b2 = 8, 1, 30.0, 0.95
+    got = run_ranks(_level_rank, world_size=2, args=(steps, warmup, clip))
+    assert got[0] == got[1]
+    level, count, ref, want = 0.0, 0, 0.0, []
+    for step in range(steps):
+        grads = []
+        for rank in range(2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            grads.append(torch.cat([(torch.randn(64, 48, generator=g) * (1 + step) ** -0.5).double().reshape(-1),
+                                    torch.randn(300, generator=g).double()]))
+        sent = got[0][step][0]
+        squared = float(((grads[0] + grads[1]) / 2).pow(2).sum()) if not sent else \
+            float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2)
+        c = min(1.0, clip / (squared ** 0.5 + 1e-6))
+        before = level / (1 - b2 ** count) if count else 0.0
+        level, count = b2 * level + (1 - b2) * c * c * squared, count + 1
+        now = level / (1 - b2 ** count)
+        want.append((sent, now / ref if sent else 1.0, before / ref if ref and before else 1.0))
+        if not sent:
+            ref = now
+    assert [w[0] for w in want] == [False, False, True, False, True, True, True, False]   # dense 1, 2, 4, 8
+    bound = 2 * gamma(3372 + 6)
+    for step, ((sent, scale, before), (_, w_scale, w_before)) in enumerate(zip(got[0], want)):
+        np.testing.assert_allclose([scale, before], [w_scale, w_before], rtol=bound, err_msg=f"step {step + 1}")
+    assert all(abs(s - 1) > 1e-3 for sent, s, _ in got[0] if sent)      # the factor is not a no-op here
+
+
+def test_frozen_variance_adam_takes_the_rescaled_variance():
+    """FrozenVarianceAdam with var_rescale: on a momentum step the denominator is
+    sqrt(s v / (1 - b2^T)) + eps (s the reducer's variance_scale), clamped below by |m'|
+    as without it; on a refresh the frozen v is first brought to where dense Adam's
+    stood, v <- b2 s' v + (1 - b2) g^2 (s' its scale_before). Against float64: the
+    step's few roundings (a square root, two scalings, an add, a max, a divide, the
+    weight update) at most gamma_8 of each term; the refresh's v gamma_4."""
+    from ds_ext.comm.install import FrozenVarianceAdam
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(40, 30, generator=g)), torch.nn.Parameter(torch.randn(77, generator=g))]
+    opt = torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(3):           # three dense steps: the variance to freeze
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    reducer = GradientReducer(CommSection(compressor="fp32", target="momentum", warmup_steps=1, var_rescale=True),
+                              node_of=[0])
+    frozen = FrozenVarianceAdam(opt, reducer)
+    lr, b1, b2, eps, wd = 0.01, 0.9, 0.95, 1e-8, 0.1
+    # a momentum step at the reducer's step 5, the variance taken at a quarter
+    reducer.steps, reducer.sent_momentum, reducer.refreshed, reducer.variance_scale = 5, True, False, 0.25
+    before = [(p.detach().double().clone(), opt.state[p]["exp_avg_sq"].double().clone()) for p in params]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    frozen.step()
+    bc1, bc2 = 1 - b1 ** 5, (1 - b2 ** 3) ** 0.5
+    for p, (w, v) in zip(params, before):
+        m = p.grad.double() / bc1
+        denom = torch.maximum((0.25 * v).sqrt() / bc2 + eps, m.abs())
+        want = w * (1 - lr * wd) - lr * m / denom
+        bound = gamma(8) * (w.abs() * (1 + lr * wd) + 2 * lr * (m / denom).abs())
+        assert_within(p.detach().double(), want.numpy(), bound.numpy(), what="momentum step")
+    # a refresh: the frozen v at scale_before 0.5 first, then the step's squared gradient
+    reducer.steps, reducer.sent_momentum, reducer.refreshed, reducer.scale_before = 6, False, True, 0.5
+    v_before = [opt.state[p]["exp_avg_sq"].double().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    frozen.step()
+    for p, v in zip(params, v_before):
+        grad2 = p.grad.double() ** 2
+        want = b2 * 0.5 * v + (1 - b2) * grad2
+        assert_within(opt.state[p]["exp_avg_sq"].double(), want.numpy(), (gamma(4) * want).numpy(), what="refresh")

@@ -152,6 +152,12 @@ def test_settings_name_what_the_state_depends_on():
     narrow = comm_state.settings(CommSection(compressor="sign", residual_dtype="bf16"), layout=LAYOUT)
     assert "residual_dtype" not in sign
     assert comm_state.differences(sign, narrow) == ["residual_dtype 'fp32' -> 'bf16'"]
+    # so is var_rescale (its tracked level is state: a run that did not track it has none)
+    momentum = {"compressor": "sign", "target": "momentum", "warmup_steps": 1}
+    rescaled = comm_state.settings(CommSection(**momentum, var_rescale=True), layout=LAYOUT)
+    assert "var_rescale" not in comm_state.settings(CommSection(**momentum), layout=LAYOUT)
+    assert comm_state.differences(comm_state.settings(CommSection(**momentum), layout=LAYOUT), rescaled) == [
+        "var_rescale False -> True"]
     # ... what only schedules or checks it does not
     for change in ({"kernel": "torch"}, {"pipeline_depth": 4}, {"warmup_steps": 3}, {"on_mismatch": "restart"}):
         assert comm_state.settings(CommSection(**TOPK | change), layout=LAYOUT) == base, change
@@ -202,9 +208,11 @@ COMM_CASES = {
     # count are in DeepSpeed's optimizer state; 0/1 Adam's refreshes (kappa 1: steps 1, 2
     # and 4, the last after the resume, decoding M) follow from the reducer's step count;
     # the residuals kept in bf16 (an fp32 residual is saved as top-k's is, a tensor as it
-    # stands)
+    # stands); the variance rescaled by the tracked level of the gradient's squared norm
+    # (var_rescale: the level is the reducer's variance_level, the factor then enters the
+    # optimizer's step), the norm sketched (clip_norm "sketch": its signs seeded by the step)
     "sign-momentum": {"compressor": "sign", "target": "momentum", "warmup_steps": 1, "var_update_scaler": 1,
-                      "min_numel": 2048, "residual_dtype": "bf16"},
+                      "min_numel": 2048, "residual_dtype": "bf16", "var_rescale": True, "clip_norm": "sketch"},
 }
 # the step a case is checkpointed every and resumed at (else 2)
 RESUME_AT = {"sign-momentum": 3}
@@ -299,6 +307,8 @@ def test_resume_restores_compression_state_bitwise(case, engine, tmp_path_factor
         assert saved["state"]["generator"] is None or not torch.equal(saved["state"]["generator"], fresh)
         if comm.get("target") == "momentum":        # M as sign's codes: packed bits and a scale a block
             assert "dict" in [type(m).__name__ for _, m in saved["state"]["attrs"]["momentum"]]
+            level = dict(saved["state"]["attrs"]["variance_level"])
+            assert float(level["count"]) == at and float(level["level"]) > 0
     resumed, out, _ = _train(_cfg(tmp, f"resume-{engine}", comm, engine=engine, interval=at,
                                   ds=uninterrupted["ds"]),
                              tmp / f"resumed-{engine}", resume_from=full, step=at)

@@ -219,10 +219,14 @@ class FrozenVarianceAdam:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             corrected = group.get("bias_correction", True)
             frozen = max(self.variance_steps(st) for st in states)
+            rescale = getattr(reducer, "variance_scale", 1.0)     # var_rescale: 1.0 when off
             if refresh:
                 frozen += 1
+                rescale = 1.0
                 for p, st in zip(params, states):
-                    st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                    # var_rescale: the frozen v brought to where dense Adam's stood before this step
+                    st["exp_avg_sq"].mul_(beta2 * getattr(reducer, "scale_before", 1.0))
+                    st["exp_avg_sq"].addcmul_(p.grad, p.grad, value=1.0 - beta2)
                     st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                     if torch.is_tensor(st["step"]):
                         st["step"].fill_(frozen)
@@ -234,7 +238,10 @@ class FrozenVarianceAdam:
                 m = st["exp_avg"]
                 if not refresh:
                     m.copy_(p.grad)
-                denom = st["exp_avg_sq"].sqrt().div_(bc2).add_(eps)
+                denom = st["exp_avg_sq"].sqrt().div_(bc2)
+                if rescale != 1.0:
+                    denom.mul_(math.sqrt(rescale))
+                denom.add_(eps)
                 # where the momentum outgrew the frozen variance (a coordinate quiet in the
                 # warm-up, an embedding row first seen after it) the step is at most lr
                 torch.maximum(denom, m.abs().div_(bc1), out=denom)
@@ -309,6 +316,7 @@ def install(engine, section, *, node_of=None, log=print):
     if section.target == "momentum":
         inner = _inner_optimizer(engine)
         reducer.beta1 = check_momentum_optimizer(inner)
+        reducer.beta2 = float(inner.param_groups[0]["betas"][1])
         # the momentum is made of clipped gradients, as Adam's (GradientReducer._settle_momentum)
         reducer.clip = float(engine.gradient_clipping() or 0.0)
         reducer.copies = 2 if getattr(engine, "_pair_group", None) is not None else 1

@@ -72,6 +72,7 @@ class ReduceStats:
     clip_coef: float = 1.0       # target momentum under clipping: the coefficient the step's gradient took
     clipped: int = 0             # 1: a momentum step whose clip coefficient was below 1 (M in fp32 unless clipped ahead)
     momentum_codes: int = 0      # 1: M kept as the compressor's codes after this step
+    variance_scale: float = 1.0  # var_rescale: the factor the frozen variance took this step
 
     def line(self, name):
         return (f"comm {name}: {self.wire_bytes / 1e6:.2f} MB sent, compress {self.compress_s * 1e3:.0f} ms, "
@@ -117,6 +118,9 @@ def is_refresh_step(step, *, kappa, until):
 
 
 class GradientReducer:
+    # dict attributes saved with the momentum in the compression state (state.py)
+    STATE_ATTRS = ("variance_level",)
+
 
     def __init__(self, section, *, node_groups=None, spans_nodes=None, node_of=None, seed=0):
         self.section = section
@@ -150,6 +154,17 @@ class GradientReducer:
         self._norm_terms = []
         self._pending = []
         self._ahead = None      # the step's clip coefficient when known before its exchange (clip_ahead)
+        # var_rescale: Adam's beta2 (set by install); the averaged clipped gradient's squared
+        # norm tracked as Adam tracks v (its sum over the elements), {"level", "count", "ref"}
+        # (float64 scalars: the moving average, its updates, its bias-corrected value when the
+        # variance was last updated), and what FrozenVarianceAdam scales the variance by this
+        # step: on a momentum step variance_scale, on a refresh scale_before (before this
+        # step's gradient entered the level)
+        self.beta2 = None
+        self.variance_level = {}
+        self.variance_scale = 1.0
+        self.scale_before = 1.0
+        self._norm_sq = None
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
@@ -161,6 +176,8 @@ class GradientReducer:
             self._settle_momentum()
         self._ahead = None
         self.sent_momentum = self.momentum_step      # what the optimizer step after it is to do
+        if self.section.var_rescale and self.section.target == "momentum":
+            self._track_level()
         # a dense step after momentum steps: 0/1 Adam's variance refresh, which the
         # optimizer step takes with the momentum's step count (install.FrozenVarianceAdam)
         self.refreshed = (self.section.target == "momentum" and not self.sent_momentum
@@ -168,6 +185,35 @@ class GradientReducer:
         self.steps += 1
         self.last = self.stats
         return self.stats
+
+    def _track_level(self):
+        """``var_rescale``: the sum over elements of dense Adam's v is a moving average
+        (beta2) of the averaged clipped gradient's squared norm, c^2 |G|^2; tracked here from
+        the step's norm (the clip's: exact on dense steps, ``clip_norm``'s estimate on
+        momentum steps), bias-corrected as Adam corrects v. A dense step (the warm-up, a
+        refresh) updates the variance itself and becomes the reference; a momentum step's
+        variance_scale is the tracked level now over the reference, the factor by which
+        dense Adam's v would have moved since, taken as one factor for every element."""
+        lv, b2 = self.variance_level, self.beta2
+        if not lv:
+            lv.update(level=torch.zeros((), dtype=torch.float64), count=torch.zeros((), dtype=torch.float64),
+                      ref=torch.zeros((), dtype=torch.float64))
+        x, self._norm_sq = self._norm_sq, None
+        if self.skipped or x is None or not math.isfinite(x):      # a skipped step leaves v as it was
+            self.variance_scale = self.scale_before = 1.0
+            return
+        n, ref = int(lv["count"]), float(lv["ref"])
+        before = float(lv["level"]) / (1.0 - b2 ** n) if n else 0.0
+        lv["level"].mul_(b2).add_((1.0 - b2) * x)
+        lv["count"].add_(1.0)
+        now = float(lv["level"]) / (1.0 - b2 ** (n + 1))
+        self.scale_before = before / ref if ref > 0 and before > 0 else 1.0
+        if self.sent_momentum:
+            self.variance_scale = now / ref if ref > 0 else 1.0
+        else:
+            self.variance_scale = 1.0
+            lv["ref"].fill_(now)
+        self.stats.variance_scale = self.variance_scale if self.sent_momentum else self.scale_before
 
     @property
     def warming_up(self):
@@ -243,7 +289,7 @@ class GradientReducer:
         # before the exchange; dense, |result / divided_later_by|^2 / n after it. The
         # world's sum is, per tensor, the mean over its holders of the local squared
         # norms, or the average's squared norm
-        clipping = self.section.target == "momentum" and self.clip > 0
+        clipping = self.needs_norm
         ahead = self._ahead is not None      # set by clip_ahead on a clipped momentum step only
         if clipping and sending and not ahead:
             self._add_sent_norm_terms(grads, group, key, divide_by, divided_later_by)
@@ -326,7 +372,7 @@ class GradientReducer:
         compressor encodes, and what its error feedback carries into the next step, is
         the clipped momentum itself, and the mean is kept as the compressor delivered it.
         One scalar all-reduce ahead of the exchange instead of after it."""
-        if not (self.section.target == "momentum" and self.clip > 0 and self.momentum_step):
+        if not (self.needs_norm and self.momentum_step):
             return
         for grads, kw in calls:      # the gradients reduce_steps would add, empty ones left out as there
             self._add_sent_norm_terms([g for g in grads if g.numel()], kw["group"], kw.get("key"), kw["divide_by"],
@@ -353,6 +399,12 @@ class GradientReducer:
         self.stats.wait_s += time.perf_counter() - t0
         self._norm_terms.append(sketch.square().sum() / members)
 
+    @property
+    def needs_norm(self):
+        """Target momentum under clipping or ``var_rescale``: each step finds the norm
+        of its averaged gradient (with no clip, c = 1)."""
+        return self.section.target == "momentum" and (self.clip > 0 or self.section.var_rescale)
+
     def _clip_coefficient(self):
         """DeepSpeed's min(1, clip / (norm + 1e-6)) from this step's squared-norm terms,
         summed over the world (one scalar all-reduce); recorded in the step's stats."""
@@ -365,7 +417,8 @@ class GradientReducer:
         tdist.all_reduce(total)
         squared = float(total) / self.copies
         norm = math.sqrt(squared) if math.isfinite(squared) else math.inf
-        c = min(1.0, self.clip / (norm + 1e-6))
+        c = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
+        self._norm_sq = squared * c * c
         self.stats.clip_coef = c
         self.stats.clipped = int(c < 1.0 and self.momentum_step)
         return c

@@ -47,7 +47,7 @@ VERSION = 1
 SETTINGS_FIELDS = ("compressor", "target", "ratio", "selection", "sample_ratio", "momentum", "rank", "block_size",
                    "error_feedback", "min_numel", "dense_params", "chunk_mb", "hierarchical")
 # fields recorded only away from their default (checkpoints written before them hold the default)
-_OPTIONAL_SETTINGS = {"residual_dtype": "fp32"}
+_OPTIONAL_SETTINGS = {"residual_dtype": "fp32", "var_rescale": False}
 # the trainer's layout record (run_plan.layout_record) keys that decide which gradients a
 # rank reduces, in which order and over which group: chunk keys name elements of them
 LAYOUT_FIELDS = ("data_parallel", "pipe_stages", "expert_parallel_size", "zero_stage", "schedule", "bf16",
