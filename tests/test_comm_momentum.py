@@ -531,7 +531,7 @@ def test_var_rescale_tracks_dense_adams_summed_variance():
             ref = now
     assert [w[0] for w in want] == [False, False, True, False, True, True, True, False]   # dense 1, 2, 4, 8
     bound = 2 * gamma(3372 + 6)
-    for step, ((sent, scale, before), (_, w_scale, w_before)) in enumerate(zip(got[0], want)):
+    for step, ((_, scale, before), (_, w_scale, w_before)) in enumerate(zip(got[0], want)):
         np.testing.assert_allclose([scale, before], [w_scale, w_before], rtol=bound, err_msg=f"step {step + 1}")
     assert all(abs(s - 1) > 1e-3 for sent, s, _ in got[0] if sent)      # the factor is not a no-op here
 
