@@ -121,7 +121,6 @@ class GradientReducer:
     # dict attributes saved with the momentum in the compression state (state.py)
     STATE_ATTRS = ("variance_level",)
 
-
     def __init__(self, section, *, node_groups=None, spans_nodes=None, node_of=None, seed=0):
         self.section = section
         self.name = section.compressor
@@ -368,9 +367,9 @@ class GradientReducer:
         call's keyword arguments: group, divide_by, divided_later_by, key). The
         coefficient c (as ``_settle_momentum`` computes it, from the norm ``clip_norm``
         names) is found first, and each rank's momentum is formed as b1 M + (1 - b1) c
-        g_i: the mean is the same c-clipped momentum the exchange-then-mix path gives, but what the
-        compressor encodes, and what its error feedback carries into the next step, is
-        the clipped momentum itself, and the mean is kept as the compressor delivered it.
+        g_i: the mean is the same c-clipped momentum the exchange-then-mix path gives,
+        but what the compressor encodes, and what its error feedback carries into the
+        next step, is the clipped momentum itself, and the mean is kept as the compressor delivered it.
         One scalar all-reduce ahead of the exchange instead of after it."""
         if not (self.needs_norm and self.momentum_step):
             return
@@ -441,9 +440,9 @@ class GradientReducer:
         gradient is only known locally, so the norm is the root mean square of the
         ranks' local norms, an upper bound of the average's (|mean g_i|^2 <= mean
         |g_i|^2), or with ``clip_norm: "sketch"`` an unbiased estimate of the average's
-        from the group's all-reduced count sketch (norm_sketch.py), and since M_t = b1 M + (1 - b1) G is linear in G the clipped
-        momentum is c M_t + (1 - c) b1 M, formed after the exchange, returned to the
-        optimizer and kept. One scalar all-reduce over the world a step."""
+        from the group's all-reduced count sketch (norm_sketch.py), and since M_t = b1 M
+        + (1 - b1) G is linear in G the clipped momentum is c M_t + (1 - c) b1 M, formed
+        after the exchange, returned to the optimizer and kept. One scalar all-reduce over the world a step."""
         pending, self._pending = self._pending, []
         c = self._clip_coefficient()
         for buffers, checked, packed in pending:
