@@ -23,6 +23,19 @@ from tests.numerics import assert_within, gamma
 from tests.test_comm_engine import MOE, engine_and_batches
 
 
+def _step_grads(step, rank, shrink=False):
+    """The gradients the reducer tests give ``rank`` at ``step`` (fp32: a 64 x 48 matrix
+    and a 300-vector); ``shrink``: the matrix scaled by (1 + step)^-1/2."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    matrix = torch.randn(64, 48, generator=g)
+    return [matrix * (1 + step) ** -0.5 if shrink else matrix, torch.randn(300, generator=g)]
+
+
+def _flat64(step, rank, shrink=False):
+    """``_step_grads`` laid end to end in float64 (the references)."""
+    return torch.cat([t.double().reshape(-1) for t in _step_grads(step, rank, shrink)])
+
+
 def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=False, clip_norm="rms", coefs=False):
     """``nodes`` > 0: hierarchical over that many simulated nodes of consecutive ranks;
     ``clip`` > 0: the momentum made of gradients clipped to that norm; ``ahead``: its
@@ -42,8 +55,7 @@ def _momentum_reducer_rank(compressor, steps, warmup, nodes=0, clip=0.0, ahead=F
     reducer.clip = clip
     out = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        grads = [torch.randn(64, 48, generator=g), torch.randn(300, generator=g)]
+        grads = _step_grads(step, rank)
         reducer.begin_step()
         if ahead:
             reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
@@ -128,11 +140,7 @@ def test_sketched_clip_norm_is_the_averages_where_rms_clips_harder():
 
 def _check_clip_coefficients(sketched, rms, steps, warmup, clip, k):
     for step in range(warmup, steps):
-        grads = []
-        for rank in range(2):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            grads.append(torch.cat([torch.randn(64, 48, generator=g).double().reshape(-1),
-                                    torch.randn(300, generator=g).double()]))
+        grads = [_flat64(step, rank) for rank in range(2)]
         mean = (grads[0] + grads[1]) / 2
         true = float(mean.pow(2).sum())
         sigma = float(2 * (_buckets(mean, k, 2).pow(2) - _buckets(mean, k, 4)).sum()) ** 0.5 / true
@@ -171,8 +179,7 @@ def test_momentum_follows_the_dense_momentum_through_the_fp32_path(clip, ahead):
     grads = [[], []]
     for rank in range(2):
         for step in range(steps):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            grads[rank].append([torch.randn(64, 48, generator=g).double(), torch.randn(300, generator=g).double()])
+            grads[rank].append([t.double() for t in _step_grads(step, rank)])
     numel = sum(g.numel() for g in grads[0][0])
     coef = []
     for step in range(steps):
@@ -485,8 +492,7 @@ def _level_rank(steps, warmup, clip):
     reducer.beta1, reducer.beta2, reducer.clip = 0.9, 0.95, clip
     out = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        grads = [torch.randn(64, 48, generator=g) * (1 + step) ** -0.5, torch.randn(300, generator=g)]
+        grads = _step_grads(step, rank, shrink=True)
         reducer.begin_step()
         reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
         reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
@@ -514,11 +520,7 @@ def test_var_rescale_tracks_dense_adams_summed_variance():
     assert got[0] == got[1]
     level, count, ref, want = 0.0, 0, 0.0, []
     for step in range(steps):
-        grads = []
-        for rank in range(2):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            grads.append(torch.cat([(torch.randn(64, 48, generator=g) * (1 + step) ** -0.5).double().reshape(-1),
-                                    torch.randn(300, generator=g).double()]))
+        grads = [_flat64(step, rank, shrink=True) for rank in range(2)]
         sent = got[0][step][0]
         squared = float(((grads[0] + grads[1]) / 2).pow(2).sum()) if not sent else \
             float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2)
