@@ -219,13 +219,14 @@ class FrozenVarianceAdam:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             corrected = group.get("bias_correction", True)
             frozen = max(self.variance_steps(st) for st in states)
-            rescale = getattr(reducer, "variance_scale", 1.0)     # var_rescale: 1.0 when off
+            rescale = reducer.variance_scale     # var_rescale: 1.0 when off
             if refresh:
                 frozen += 1
                 rescale = 1.0
+                # var_rescale: the frozen v brought to where dense Adam's stood before this step
+                decay = beta2 * reducer.scale_before
                 for p, st in zip(params, states):
-                    # var_rescale: the frozen v brought to where dense Adam's stood before this step
-                    st["exp_avg_sq"].mul_(beta2 * getattr(reducer, "scale_before", 1.0))
+                    st["exp_avg_sq"].mul_(decay)
                     st["exp_avg_sq"].addcmul_(p.grad, p.grad, value=1.0 - beta2)
                     st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                     if torch.is_tensor(st["step"]):

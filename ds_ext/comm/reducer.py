@@ -288,9 +288,9 @@ class GradientReducer:
         # before the exchange; dense, |result / divided_later_by|^2 / n after it. The
         # world's sum is, per tensor, the mean over its holders of the local squared
         # norms, or the average's squared norm
-        clipping = self.needs_norm
+        norming = self.needs_norm
         ahead = self._ahead is not None      # set by clip_ahead on a clipped momentum step only
-        if clipping and sending and not ahead:
+        if norming and sending and not ahead:
             self._add_sent_norm_terms(grads, group, key, divide_by, divided_later_by)
         if sending:     # the ranks' momenta, averaged below; clipped as they are formed when c is known
             local, scale = (1.0 - self.beta1) * members * scale * (self._ahead if ahead else 1.0), 1.0 / members
@@ -343,7 +343,7 @@ class GradientReducer:
         if self.section.target == "momentum":
             if big:
                 buffers.append((big, result, (key, "compressed")))
-            if clipping and not ahead:      # M's update waits for the step's clip coefficient (end_step)
+            if norming and not ahead:      # M's update waits for the step's clip coefficient (end_step)
                 self._pending.append((buffers, checked, packed))
             else:
                 self._update_momentum(buffers, checked=checked, packed=packed)
@@ -351,7 +351,7 @@ class GradientReducer:
             if buf is None or part[1] == "compressed":      # the chunks wrote their averages back
                 continue
             _unflatten(buf, tensors)
-        if clipping and not sending:
+        if norming and not sending:
             self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
         self.stats.total_s += time.perf_counter() - start
 

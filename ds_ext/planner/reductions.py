@@ -60,6 +60,9 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
     configured compressor. Sets each StageMemory's comm state from the same groups."""
     comm, dp, ep = m.section.comm, m.layout.data_parallel, m.ep
     payload = _payload(comm)
+    # target momentum's clip norm sketched (clip_norm "sketch"): one small all-reduce a group
+    # (none without gradient clipping; the planner prices it whenever it is configured)
+    sketch = 4 * comm.clip_sketch_buckets if comm.target == "momentum" and comm.clip_norm == "sketch" else 0
     reductions = []
     for rank, st in enumerate(stages):
         groups = [(st.params - st.expert_params, [placement.node(rank, d) for d in range(dp)], comm.hierarchical,
@@ -68,9 +71,6 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
             groups.append((st.expert_params, [placement.node(rank, d) for d in range(0, dp, ep)], False,
                            stage_matrices[rank][True]))
         g, kept_state = None, {}
-        # target momentum's clip norm sketched (clip_norm "sketch"): one small all-reduce a group
-        # (none without gradient clipping; the planner prices it whenever it is configured)
-        sketch = 4 * comm.clip_sketch_buckets if comm.target == "momentum" and comm.clip_norm == "sketch" else 0
         for numel, members, hier, matrices in groups:
             one = dp_group(numel=numel, grad_bytes=m.precision.reduce, members=members, hw=hw,
                            compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0],
