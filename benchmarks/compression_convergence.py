@@ -10,7 +10,8 @@ and without error feedback, PowerSGD, int8, int4, sign) and target momentum (1-b
 scheme: the variance frozen after --momentum-warmup dense steps, the momentum sent through
 sign, int4 or top-k; 0/1 Adam's variance schedule, ``var_update_scaler``, with no fixed
 warm-up). --seeds runs each once per seed; rows carry run, seed, final_loss,
-dense_final_loss (the same seed's dense run), bytes_per_step (sent per rank per step after
+dense_final_loss (the same seed's dense run on the same machine, recorded in machine: a CPU
+rounds differently from another), bytes_per_step (sent per rank per step after
 the warm-up; DeepSpeed's dense: a ring all-reduce's), dense_bytes_per_step and
 run_bytes_per_step, bytes_total and dense_bytes_total (every step, dense warm-up and 0/1
 Adam's variance refreshes included; DeepSpeed's dense: a ring all-reduce's) and steps; target
@@ -80,6 +81,12 @@ RUNS = {
                                         "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": True},
     "momentum-fp32-01-k1-f64-rescale": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
                                         "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": True},
+    # a factor per parameter tensor instead (var_rescale "tensor": each tensor's own sketched
+    # squared norm, 32 entries a tensor in the same all-reduce), signs and uncompressed
+    "momentum-sign-01-k1-f64-tensor": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                       "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": "tensor"},
+    "momentum-fp32-01-k1-f64-tensor": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
+                                       "var_freeze_step": 64, "clip_norm": "sketch", "var_rescale": "tensor"},
     # kappa 1 frozen after 64: the schedule alone; sign with a scale every 32 entries (1 + 1 bit
     # an entry instead of 1 + 1/8); sign with the embedding and output head sent dense
     "momentum-fp32-01-k1-f64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
@@ -97,6 +104,22 @@ RUNS = {
     # DGC's momentum correction: the momentum lives in the compressor, the optimizer runs without (--optimizer sgd)
     "topk-1%-dgc": {"compressor": "topk", "ratio": 0.01, "error_feedback": True, "momentum": 0.9},
 }
+
+
+def machine():
+    """The CPU the run trained on (its floating-point results differ between CPUs: rows
+    are compared only with the dense run of the same machine)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        import platform
+        return platform.processor() or platform.machine()
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}), "
+            f"{os.cpu_count()} cores")
 
 
 def run_one(name, comm, args, tmp):
@@ -140,7 +163,7 @@ def run_one(name, comm, args, tmp):
     tail = min(20, len(losses))
     row = {"name": name, "comm": comm, "seed": s["train"]["seed"], "final_loss": statistics.mean(losses[-tail:]),
            "first_loss": losses[0], "losses": losses, "tokens_per_s": out.get("steady_tokens_per_s"),
-           "warmup_steps": s["comm"]["warmup_steps"] if comm["compressor"] != "none" else 0}
+           "warmup_steps": s["comm"]["warmup_steps"] if comm["compressor"] != "none" else 0, "machine": machine()}
     row["steps"] = len(losses)
     if "comm" in out:
         ranks = out["comm"]["per_rank_mean_per_step"]
@@ -175,8 +198,8 @@ def main(argv=None):
                    choices=list(RUNS))
     p.add_argument("--json")
     p.add_argument("--append", action="store_true",
-                   help="keep the rows already in --json that this run does not redo (same run, seed and step "
-                        "count), and compare against their dense rows where this run has none: one file for "
+                   help="keep the rows already in --json that this run does not redo (same run, seed, step "
+                        "count and machine), and compare against their dense rows where this run has none: one file for "
                         "several run lengths and runs")
     args = p.parse_args(argv)
     if args.optimizer == "sgd" and args.lr is None:
@@ -209,8 +232,7 @@ def main(argv=None):
           f"{'run avg MB':>10} {'run x fewer':>11} {'compress ms':>11}")
     earlier = before["rows"] if before else []
     for r in rows:
-        dense = next((d for d in rows + earlier
-                      if d["run"] == "none" and d["seed"] == r["seed"] and d["steps"] == r["steps"]), None)
+        dense = next((d for d in rows + earlier if d["run"] == "none" and _same_run(d, r)), None)
         r["dense_final_loss"] = dense["final_loss"] if dense else None
         rel = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")
         r["vs_dense_pct"] = rel
@@ -233,13 +255,23 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         out = {"args": vars(args), "rows": rows}
         if before:
-            redone = {(r["run"], r["seed"], r["steps"]) for r in rows}
-            kept = [r for r in before["rows"] if (r["run"], r["seed"], r["steps"]) not in redone]
+            redone = {_row_key(r) for r in rows}
+            kept = [r for r in before["rows"] if _row_key(r) not in redone]
             out = {"args": vars(args), "earlier_args": before.get("earlier_args", []) + [before["args"]],
                    "rows": kept + rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return rows
+
+
+def _row_key(row):
+    """What --append replaces: the same run, seed, step count and machine."""
+    return row["run"], row["seed"], row["steps"], row.get("machine")
+
+
+def _same_run(dense, row):
+    """``dense`` is ``row``'s reference: the same seed and steps, trained on the same machine."""
+    return _row_key(dense)[1:] == _row_key(row)[1:]
 
 
 def _dense_mb(args):
