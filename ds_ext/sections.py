@@ -4,6 +4,7 @@ A recipe's own sections (DeepSeek-V3.2's ``dsa``) live with the recipe
 (RecipeSpec.sections); ds_ext.config parses them with these."""
 
 import difflib
+import typing
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
@@ -295,10 +296,13 @@ class CommSection:
     clip_norm: str = "rms"
     clip_sketch_buckets: int = 1024
     # target momentum: between the variance's updates, scale the frozen variance by how far
-    # dense Adam's would have moved, one factor for every element: the averaged clipped
-    # gradient's squared norm (the clip norm's, clip_norm) tracked as v is (beta2), now over
-    # its value at the last dense step; needs clip_norm "sketch" (the average's norm, unbiased)
-    var_rescale: bool = False
+    # dense Adam's would have moved: the averaged clipped gradient's squared norm tracked as v
+    # is (beta2), now over its value at the last dense step; true: one factor for every
+    # element (the clip norm's, clip_norm); "tensor": one per parameter tensor, from a count
+    # sketch of var_rescale_buckets fp32 entries per tensor (exact for smaller tensors) in the
+    # clip sketch's all-reduce. Needs clip_norm "sketch" (the average's norm, unbiased)
+    var_rescale: bool | typing.Literal["tensor"] = False
+    var_rescale_buckets: int = 32
     min_numel: int = 16384          # smaller tensors go dense
     # parameter-name patterns (fnmatch) reduced dense whatever the compressor; unset: the
     # compressor's own list (powersgd: the embedding and output head, whose gradients are
@@ -368,6 +372,11 @@ class CommSection:
                               f"gives the ranks' mean squared norm on momentum steps (above the average's by their "
                               f"noise, so the variance would jump at every switch from dense steps): set clip_norm "
                               f"'sketch'")
+        if self.var_rescale_buckets < 8:
+            raise ConfigError(f"{where}.var_rescale_buckets {self.var_rescale_buckets}: each tensor's sketched squared "
+                              f"norm has a relative standard deviation of about sqrt(2 / buckets) a step, 50 % under "
+                              f"8; use 32 (25 % a step, which the tracked average divides by about "
+                              f"sqrt((1 + beta2) / (1 - beta2)))")
         if self.clip_sketch_buckets < 16:
             raise ConfigError(f"{where}.clip_sketch_buckets {self.clip_sketch_buckets}: the sketched squared norm's "
                               f"relative standard deviation is about sqrt(2 / buckets), so fewer than 16 leaves it "

@@ -111,6 +111,41 @@ def test_count_sketch_is_one_linear_map_with_an_unbiased_squared_norm():
     assert abs(float(est.mean()) - true) <= 5 * (var / n_seeds) ** 0.5, (float(est.mean()), true, var)
 
 
+def test_tensor_sketches_are_a_count_sketch_per_tensor():
+    """var_rescale "tensor": tensor_sketches lays one count sketch per tensor end to end,
+    min(numel, buckets) entries each, so each segment's squared norm estimates its own
+    tensor's. A tensor no longer than ``buckets`` is its own sketch up to a sign per
+    element, so its segment's squared norm is exact (float64 here: a sum of n squares,
+    within gamma_n of the direct sum). Linear, as the all-reduce needs: S(a) + S(b) =
+    S(a + b) within gamma_m of the buckets' |.| sums (as for count_sketch above). Each
+    tensor's own seed: over N seeds, each large tensor's estimate is unbiased within 5
+    standard errors of the estimator's own variance (count_sketch's), a fixed set of
+    seeds."""
+    from ds_ext.comm.norm_sketch import segment_norms, tensor_sketches
+    k = 32
+    g = torch.Generator().manual_seed(11)
+    lengths = (640, 300, 20)              # many rows, rows and a tail, under k
+    a = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    b = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    s_a, sizes = tensor_sketches(a, k, seed=3)
+    assert sizes == [32, 32, 20] and s_a.numel() == 84
+    s_b, _ = tensor_sketches(b, k, seed=3)
+    s_ab, _ = tensor_sketches([x + y for x, y in zip(a, b)], k, seed=3)
+    bound = torch.cat([gamma(n // k + 3, np.float64) * (_buckets(x, min(n, k), 1) + _buckets(y, min(n, k), 1)
+                                                         + _buckets(x + y, min(n, k), 1))
+                       for n, x, y in zip(lengths, a, b)])
+    assert_within(s_a + s_b, s_ab.numpy(), bound.numpy(), what="S(a) + S(b) against S(a + b)")
+    norms = segment_norms(s_a, sizes)
+    exact = float(a[2].pow(2).sum())
+    assert abs(float(norms[2]) - exact) <= gamma(20, np.float64) * exact
+    n_seeds = 300
+    est = torch.stack([segment_norms(tensor_sketches(a, k, seed=s)[0], sizes) for s in range(n_seeds)])
+    for i in (0, 1):
+        true = float(a[i].pow(2).sum())
+        var = float(2 * (_buckets(a[i], k, 2).pow(2) - _buckets(a[i], k, 4)).sum())
+        assert abs(float(est[:, i].mean()) - true) <= 5 * (var / n_seeds) ** 0.5, (i, float(est[:, i].mean()), true)
+
+
 def _clip_coefficients_rank(compressor, steps, warmup, clip):
     """Each step's clip coefficient, per (ahead, clip_norm): found before the exchange or
     mixed after it, from the root mean square or the sketch (one launch for the four)."""
@@ -255,7 +290,10 @@ def _engine_run(comm, *, zero, precision, stages, steps, schedule, overrides, cl
     momentum_norm = float(torch.cat([inner.state[p]["exp_avg"].reshape(-1) for grp in inner.param_groups
                                      for p in grp["params"] if p in inner.state]).norm())
     frozen = getattr(engine, "frozen_variance", None)
-    return {"losses": losses, "variances": variances, "states": states, "momentum_norm": momentum_norm,
+    reducer = getattr(engine, "grad_reducer", None)
+    factors = getattr(reducer, "tensor_factors", None)
+    return {"tensor_factors": None if factors is None else factors.tolist(),
+            "tensor_slots": len(getattr(reducer, "tensor_slots", ())),"losses": losses, "variances": variances, "states": states, "momentum_norm": momentum_norm,
             "momenta": momenta, "clip_coefs": coefs, "numel": sum(p.numel() for p in engine.module.parameters()),
             "frozen_skipped": frozen.skipped_steps if frozen else 0, "ds_skipped": engine.skipped_steps,
             "stage": engine.stage_id if hasattr(engine, "stage_id") else 0}
@@ -267,11 +305,12 @@ def _pair(comm, kw):
 
 SIGN = {"compressor": "sign", "target": "momentum", "warmup_steps": 2, "min_numel": 256}
 # (world, engine settings, seekspeed.comm beyond SIGN): the MoE case clips by the sketched
-# norm (clip_norm "sketch": a sketch per reduce call, the experts' group's too), the
-# DualPipe case by the ranks' root mean square
+# norm (clip_norm "sketch": a sketch per reduce call, the experts' group's too) and scales
+# the frozen variance per tensor (var_rescale "tensor": BF16_Optimizer's flat partitions
+# hold the reduced tensors), the DualPipe case by the ranks' root mean square
 ENGINE_CASES = {
     "zero1-bf16-fp32-accum-moe": (2, dict(zero=1, precision="bf16-fp32-accum", stages=1, schedule="1f1b",
-                                          overrides=MOE), {"clip_norm": "sketch"}),
+                                          overrides=MOE), {"clip_norm": "sketch", "var_rescale": "tensor"}),
     "dualpipev-zb-2x2": (4, dict(zero=1, precision="fp32", stages=2, schedule="dualpipev-zb", overrides={}), {}),
 }
 
@@ -300,6 +339,9 @@ def test_momentum_mode_in_the_engine(case):
         # the clip bites on every momentum step (the tiny runs' norms are several times 1.0),
         # so the step's norm, sketched or not, decided each of them
         assert all(c < 1 for c in ours["clip_coefs"][warmup:]), ours["clip_coefs"]
+        if comm.get("var_rescale") == "tensor":     # a factor per reduced tensor, the experts' too, not all one
+            factors = ours["tensor_factors"]
+            assert len(factors) == ours["tensor_slots"] > 2 and len(set(factors)) > 2, factors
     # replicas of a stage hold the same weights, bitwise, after every step
     by_stage = {}
     for r in results:
@@ -469,6 +511,10 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
     ({"compressor": "sign", "var_rescale": True}, r"var_rescale rescales the variance .* remove var_rescale"),
     ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_rescale": True},
      r"var_rescale .* clip_norm 'rms' .* set clip_norm 'sketch'"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_rescale": "total"},
+     r"var_rescale: expected bool \| 'tensor', got 'total'"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "clip_norm": "sketch", "var_rescale": "tensor",
+      "var_rescale_buckets": 4}, r"var_rescale_buckets 4: .* use 32"),
 ])
 def test_bad_momentum_settings_are_one_line_errors(raw, match):
     from ds_ext.config import SeekspeedSection
@@ -480,24 +526,29 @@ def test_bad_momentum_settings_are_one_line_errors(raw, match):
 
 
 def _level_rank(steps, warmup, clip):
-    """Each step's (variance_scale, scale_before) under var_rescale, the fp32 path, the
-    root-mean-square norm, 0/1 Adam's kappa 1 (dense steps 1, 2, 4 and the warm-up)."""
+    """Each step's (sent momentum, variance_scale, scale_before) under var_rescale true,
+    the fp32 path, the root-mean-square norm, 0/1 Adam's kappa 1 (dense steps 1, 2, 4 and
+    the warm-up); and, in the same launch, each step's tensor_factors under var_rescale
+    "tensor" (the sketched norm, no clip, buckets beyond the tensors' sizes)."""
     import torch.distributed as tdist
     from ds_ext.comm.reducer import GradientReducer
     from ds_ext.config import CommSection
     rank, world = tdist.get_rank(), tdist.get_world_size()
-    reducer = GradientReducer(CommSection(compressor="fp32", target="momentum", warmup_steps=warmup,
-                                          var_update_scaler=1, min_numel=1000, var_rescale=True),
-                              node_of=[0] * world)
-    reducer.beta1, reducer.beta2, reducer.clip = 0.9, 0.95, clip
-    out = []
-    for step in range(steps):
-        grads = _step_grads(step, rank, shrink=True)
-        reducer.begin_step()
-        reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
-        reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
-        reducer.end_step()
-        out.append((reducer.sent_momentum, reducer.variance_scale, reducer.scale_before))
+    out = {}
+    for mode, c, extra in ((True, clip, {}), ("tensor", 0.0, {"clip_norm": "sketch", "var_rescale_buckets": 4096})):
+        reducer = GradientReducer(CommSection(compressor="fp32", target="momentum", warmup_steps=warmup,
+                                              var_update_scaler=1, min_numel=1000, var_rescale=mode, **extra),
+                                  node_of=[0] * world)
+        reducer.beta1, reducer.beta2, reducer.clip = 0.9, 0.95, c
+        out[mode] = []
+        for step in range(steps):
+            grads = _step_grads(step, rank, shrink=True)
+            reducer.begin_step()
+            reducer.clip_ahead([(grads, dict(group=tdist.group.WORLD, divide_by=world))])
+            reducer.reduce(grads, group=tdist.group.WORLD, divide_by=world, key="dense")
+            reducer.end_step()
+            out[mode].append((reducer.sent_momentum, reducer.variance_scale, reducer.scale_before)
+                             if mode is True else reducer.tensor_factors.tolist())
     return out
 
 
@@ -516,8 +567,9 @@ def test_var_rescale_tracks_dense_adams_summed_variance():
     a moving average of positive terms keeps that relative bound, and a ratio of two
     adds them: 2 gamma_(n + 6)."""
     steps, warmup, clip, b2 = 8, 1, 30.0, 0.95
-    got = run_ranks(_level_rank, world_size=2, args=(steps, warmup, clip))
-    assert got[0] == got[1]
+    both = run_ranks(_level_rank, world_size=2, args=(steps, warmup, clip))
+    assert both[0] == both[1]
+    got = [both[0][True]]
     level, count, ref, want = 0.0, 0, 0.0, []
     for step in range(steps):
         grads = [_flat64(step, rank, shrink=True) for rank in range(2)]
@@ -536,6 +588,97 @@ def test_var_rescale_tracks_dense_adams_summed_variance():
     for step, ((_, scale, before), (_, w_scale, w_before)) in enumerate(zip(got[0], want)):
         np.testing.assert_allclose([scale, before], [w_scale, w_before], rtol=bound, err_msg=f"step {step + 1}")
     assert all(abs(s - 1) > 1e-3 for sent, s, _ in got[0] if sent)      # the factor is not a no-op here
+    # var_rescale "tensor": the same arithmetic per tensor (the 64 x 48 matrix, the
+    # 300-vector), each from its own squared norm: exact here on every step, the buckets
+    # (4096) being more than the elements (the sketch of a short tensor is the tensor up to
+    # signs; the sketch's statistics are test_tensor_sketches_...'s), no clip (c = 1). The
+    # sums are n = 3072 and 300 squares: 2 gamma_(3072 + 6) bounds both.
+    level, count, ref = torch.zeros(2, dtype=torch.float64), 0, torch.zeros(2, dtype=torch.float64)
+    for step, (sent, factors) in enumerate(zip([w[0] for w in want], both[0]["tensor"])):
+        mean = [(a.double() + b.double()) / 2 for a, b in zip(_step_grads(step, 0, True), _step_grads(step, 1, True))]
+        x = torch.tensor([float(t.pow(2).sum()) for t in mean], dtype=torch.float64)
+        before = level / (1 - b2 ** count) if count else torch.zeros(2, dtype=torch.float64)
+        level, count = b2 * level + (1 - b2) * x, count + 1
+        now = level / (1 - b2 ** count)
+        expect = now / ref if sent else (before / ref if count > 1 else torch.ones(2, dtype=torch.float64))
+        if not sent:
+            ref = now
+        np.testing.assert_allclose(factors, expect.numpy(), rtol=bound, err_msg=f"tensor factors, step {step + 1}")
+        if sent:       # the two tensors' factors differ: one factor could not follow both
+            assert abs(factors[0] / factors[1] - 1) > 1e-2, factors
+
+
+def test_frozen_variance_adam_takes_each_tensors_factor():
+    """var_rescale "tensor": FrozenVarianceAdam scales each element's denominator by the
+    square root of the factor of the reduced tensor it lies in (and a refresh's v by the
+    factor), found by the gradient's storage: separate parameters each take their own; a
+    flat parameter whose gradient holds several reduced tensors end to end (DeepSpeed's
+    BF16_Optimizer) takes each tensor's on its elements, padding none; a parameter whose
+    gradient is none of them is refused in one line. The step's roundings as in the test
+    below: gamma_8 of each term."""
+    from ds_ext.comm.install import FrozenVarianceAdam
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    g = torch.Generator().manual_seed(9)
+    flat = torch.nn.Parameter(torch.randn(1280, generator=g))       # two tensors of 1200 and 77, 3 of padding
+    alone = torch.nn.Parameter(torch.randn(50, generator=g))
+    opt = torch.optim.AdamW([flat, alone], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0)
+    for _ in range(2):
+        flat.grad, alone.grad = torch.randn(1280, generator=g), torch.randn(50, generator=g)
+        opt.step()
+    reducer = GradientReducer(CommSection(compressor="fp32", target="momentum", warmup_steps=1, var_rescale="tensor",
+                                          clip_norm="sketch"), node_of=[0])
+    frozen = FrozenVarianceAdam(opt, reducer)
+    flat.grad, alone.grad = torch.randn(1280, generator=g) * 0.1, torch.randn(50, generator=g) * 0.1
+    views = [flat.grad[:1200].view(40, 30), flat.grad[1200:1277], alone.grad]
+    reducer.tensor_slots = [(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), 4) for t in views]
+    reducer.tensor_factors = torch.tensor([0.25, 4.0, 9.0], dtype=torch.float64)
+    reducer.steps, reducer.sent_momentum, reducer.refreshed = 3, True, False
+    before = [(p.detach().double().clone(), opt.state[p]["exp_avg_sq"].double().clone()) for p in (flat, alone)]
+    frozen.step()
+    scale = [torch.cat([torch.full((1200,), 0.25), torch.full((77,), 4.0), torch.ones(3)]).double(),
+             torch.full((50,), 9.0).double()]
+    lr, b1, b2, eps = 0.01, 0.9, 0.95, 1e-8
+    bc1, bc2 = 1 - b1 ** 3, (1 - b2 ** 2) ** 0.5
+    for p, (w, v), f in zip((flat, alone), before, scale):
+        m = p.grad.double() / bc1
+        denom = torch.maximum((f * v).sqrt() / bc2 + eps, m.abs())
+        want = w - lr * m / denom
+        assert_within(p.detach().double(), want.numpy(), (gamma(8) * (w.abs() + 2 * lr * (m / denom).abs())).numpy(),
+                      what="per-tensor factors")
+    # a refresh: v <- b2 f v + (1 - b2) g^2 on each tensor's elements
+    reducer.sent_momentum, reducer.refreshed, reducer.steps = False, True, 4
+    v_before = [opt.state[p]["exp_avg_sq"].double().clone() for p in (flat, alone)]
+    frozen.step()
+    for p, v, f in zip((flat, alone), v_before, scale):
+        want = b2 * f * v + (1 - b2) * p.grad.double() ** 2
+        assert_within(opt.state[p]["exp_avg_sq"].double(), want.numpy(), (gamma(4) * want).numpy(), what="refresh")
+    reducer.sent_momentum, reducer.refreshed = True, False
+    reducer.tensor_slots = reducer.tensor_slots[:2]      # alone's gradient not among the reduced ones
+    reducer.tensor_factors = reducer.tensor_factors[:2]
+    with pytest.raises(RuntimeError, match=r"none of the tensors the reducer reduced .* use var_rescale true") as info:
+        frozen.step()
+    assert "\n" not in str(info.value)
+
+
+def test_tensor_rescale_is_refused_where_the_optimizer_steps_a_copy():
+    """var_rescale "tensor" under ZeRO 1's DeepSpeedZeroOptimizer (it steps fp32 copies of
+    the reduced gradients) is refused in one line at install; no ZeRO, or an optimizer
+    with BF16_Optimizer's flat groups, passes; var_rescale true passes everywhere."""
+    from ds_ext.comm.install import check_tensor_rescale
+    from ds_ext.config import CommSection
+    from ds_ext.errors import ConfigError
+    tensor = CommSection(compressor="sign", target="momentum", warmup_steps=1, clip_norm="sketch", var_rescale="tensor")
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError, match=r"var_rescale 'tensor' .* ZeRO stage 1's optimizer \(AdamW\) .* set "
+                                          r"var_rescale true") as info:
+        check_tensor_rescale(tensor, 1, opt)
+    assert "\n" not in str(info.value)
+    check_tensor_rescale(tensor, 0, opt)
+    opt.bf16_groups = []
+    check_tensor_rescale(tensor, 1, opt)
+    check_tensor_rescale(CommSection(compressor="sign", target="momentum", warmup_steps=1, clip_norm="sketch",
+                                     var_rescale=True), 1, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
 
 
 def test_frozen_variance_adam_takes_the_rescaled_variance():

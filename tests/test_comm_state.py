@@ -158,6 +158,8 @@ def test_settings_name_what_the_state_depends_on():
     assert "var_rescale" not in comm_state.settings(CommSection(**momentum), layout=LAYOUT)
     assert comm_state.differences(comm_state.settings(CommSection(**momentum), layout=LAYOUT), rescaled) == [
         "var_rescale False -> True"]
+    per_tensor = comm_state.settings(CommSection(**momentum, var_rescale="tensor"), layout=LAYOUT)
+    assert comm_state.differences(rescaled, per_tensor) == ["var_rescale True -> 'tensor'"]
     # ... what only schedules or checks it does not
     for change in ({"kernel": "torch"}, {"pipeline_depth": 4}, {"warmup_steps": 3}, {"on_mismatch": "restart"}):
         assert comm_state.settings(CommSection(**TOPK | change), layout=LAYOUT) == base, change

@@ -674,3 +674,20 @@ def test_sketched_clip_norm_adds_one_small_all_reduce_a_group():
     assert sketched["inter_bytes_compressed"] == pytest.approx(base["inter_bytes_compressed"] + extra.inter_bytes)
     assert sketched["seconds_compressed"] == pytest.approx(base["seconds_compressed"] + extra.seconds)
     assert 0 < extra.inter_bytes < 1e-3 * base["inter_bytes_compressed"]
+
+
+def test_tensor_rescale_adds_each_tensors_sketch_to_the_all_reduce():
+    """var_rescale "tensor" sends, in the clip sketch's all-reduce, min(numel,
+    var_rescale_buckets) fp32 entries per tensor of the group (ds_ext/comm/norm_sketch.py
+    tensor_sketches); the planner's sketch bytes are the clip sketch's 4 x 1024 plus those.
+    No sketch (clip_norm "rms", target gradient): none."""
+    from ds_ext.config import CommSection
+    from ds_ext.planner.reductions import sketch_bytes
+    matrices = [(7168, 2048), (1, 7168), (4, 5)]
+    base = dict(compressor="sign", target="momentum", warmup_steps=1, clip_norm="sketch")
+    assert sketch_bytes(CommSection(**base), matrices) == 4096
+    assert sketch_bytes(CommSection(**base, var_rescale="tensor"), matrices) == 4096 + 4 * (32 + 32 + 20)
+    assert sketch_bytes(CommSection(**base, var_rescale="tensor", var_rescale_buckets=64), matrices) == \
+        4096 + 4 * (64 + 64 + 20)
+    assert sketch_bytes(CommSection(**base | {"clip_norm": "rms"}), matrices) == 0
+    assert sketch_bytes(CommSection(compressor="sign"), matrices) == 0

@@ -198,6 +198,39 @@ class FrozenVarianceAdam:
         step = state.get("step", 0)
         return int(step.item() if hasattr(step, "item") else step)
 
+    @staticmethod
+    def _tensor_slices(reducer):
+        """var_rescale "tensor": storage address -> [(element offset, numel, element size,
+        factor)] of the gradients the reducer reduced this step; None when off."""
+        factors = getattr(reducer, "tensor_factors", None)
+        if factors is None:
+            return None
+        out = {}
+        for (ptr, offset, numel, size), f in zip(reducer.tensor_slots, factors.tolist()):
+            out.setdefault(ptr, []).append((offset, numel, size, f))
+        return out
+
+    @staticmethod
+    def _scale(t, grad, slices, root=False):
+        """``t`` (laid out as ``grad``: exp_avg_sq, or the step's denominator) times the
+        factor of each reduced gradient that shares ``grad``'s storage, on the elements they
+        share (a partition of a flat buffer takes the factors of the tensors inside it);
+        ``root``: times its square root. A parameter none of them covers is refused: its
+        gradient is not the one the reducer saw (ZeRO's optimizer keeps its own copy)."""
+        lo, n, size = grad.storage_offset(), grad.numel(), grad.element_size()
+        flat, covered = t.view(-1), 0
+        for offset, numel, width, f in slices.get(grad.untyped_storage().data_ptr(), ()):
+            a, b = max(offset, lo), min(offset + numel, lo + n)
+            if width != size or a >= b:
+                continue
+            covered += b - a
+            if f != 1.0:
+                flat[a - lo:b - lo].mul_(math.sqrt(f) if root else f)
+        if not covered:
+            raise RuntimeError("comm var_rescale 'tensor': an optimizer parameter's gradient is none of the tensors the "
+                               "reducer reduced (the optimizer reduces into a copy of its own), so its factor is "
+                               "unknown; use var_rescale true (one factor for every element)")
+
     @torch.no_grad()
     def step(self, closure=None):
         reducer = self.reducer
@@ -220,13 +253,20 @@ class FrozenVarianceAdam:
             corrected = group.get("bias_correction", True)
             frozen = max(self.variance_steps(st) for st in states)
             rescale = reducer.variance_scale     # var_rescale: 1.0 when off
+            slices = self._tensor_slices(reducer)      # var_rescale "tensor": per-tensor factors instead
+            if slices is not None:
+                rescale = 1.0
             if refresh:
                 frozen += 1
                 rescale = 1.0
                 # var_rescale: the frozen v brought to where dense Adam's stood before this step
                 decay = beta2 * reducer.scale_before
                 for p, st in zip(params, states):
-                    st["exp_avg_sq"].mul_(decay)
+                    if slices is not None:
+                        st["exp_avg_sq"].mul_(beta2)
+                        self._scale(st["exp_avg_sq"], p.grad, slices)
+                    else:
+                        st["exp_avg_sq"].mul_(decay)
                     st["exp_avg_sq"].addcmul_(p.grad, p.grad, value=1.0 - beta2)
                     st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                     if torch.is_tensor(st["step"]):
@@ -242,6 +282,8 @@ class FrozenVarianceAdam:
                 denom = st["exp_avg_sq"].sqrt().div_(bc2)
                 if rescale != 1.0:
                     denom.mul_(math.sqrt(rescale))
+                if slices is not None and not refresh:
+                    self._scale(denom, p.grad, slices, root=True)
                 denom.add_(eps)
                 # where the momentum outgrew the frozen variance (a coordinate quiet in the
                 # warm-up, an embedding row first seen after it) the step is at most lr
@@ -284,6 +326,19 @@ def check_momentum_optimizer(opt):
     return next(iter(betas))[0]
 
 
+def check_tensor_rescale(section, zero_stage, optimizer):
+    """``var_rescale: "tensor"`` finds each optimizer parameter's factor by its gradient's
+    storage, which must be the reduced gradients': the model's own (no ZeRO) or
+    BF16_Optimizer's flat buffer. ZeRO 1's DeepSpeedZeroOptimizer steps a copy: refused in
+    one line."""
+    if section.var_rescale == "tensor" and zero_stage >= 1 and not hasattr(optimizer, "bf16_groups"):
+        from ds_ext.errors import ConfigError
+        raise ConfigError(f"seekspeed.comm.var_rescale 'tensor' scales each parameter's variance by its tensor's "
+                          f"factor, and ZeRO stage {zero_stage}'s optimizer ({type(optimizer).__name__}) steps a copy "
+                          f"of the gradients it cannot map to the tensors reduced: set var_rescale true, zero stage "
+                          f"0, or bf16 (DeepSpeed's BF16_Optimizer steps views of the reduced buffer)")
+
+
 def install(engine, section, *, node_of=None, log=print):
     """Attach a GradientReducer for ``section`` (a ``seekspeed.comm`` section) to
     ``engine``; collective over the world when ``section.hierarchical``. ``node_of``:
@@ -318,6 +373,7 @@ def install(engine, section, *, node_of=None, log=print):
         inner = _inner_optimizer(engine)
         reducer.beta1 = check_momentum_optimizer(inner)
         reducer.beta2 = float(inner.param_groups[0]["betas"][1])
+        check_tensor_rescale(section, engine.zero_optimization_stage(), engine.optimizer)
         # the momentum is made of clipped gradients, as Adam's (GradientReducer._settle_momentum)
         reducer.clip = float(engine.gradient_clipping() or 0.0)
         reducer.copies = 2 if getattr(engine, "_pair_group", None) is not None else 1

@@ -65,3 +65,29 @@ def count_sketch(tensors, buckets, seed, scale=1.0):
         out += torch.roll(local, offset % buckets)
         offset += n
     return out.mul_(scale) if scale != 1.0 else out
+
+
+def tensor_sketches(tensors, buckets, seed, scale=1.0):
+    """One count sketch per tensor, laid end to end: ``scale`` x tensor i's sketch of
+    min(numel, ``buckets``) entries (a tensor of at most ``buckets`` elements is itself up
+    to a sign per element, so its squared norm is exact), each with its own seed drawn
+    from ``seed``. Linear like ``count_sketch``: the all-reduce of the ranks' vectors is
+    the vector of their sum. Returns the vector and the entries per tensor, for
+    ``segment_norms``."""
+    sizes = [min(t.numel(), buckets) for t in tensors]
+    parts = [count_sketch([t], k, (seed + 0x632BE5AB * (i + 1)) % (1 << 62), scale=scale)
+             for i, (t, k) in enumerate(zip(tensors, sizes))]
+    if not parts:
+        return torch.zeros(0), sizes
+    return torch.cat(parts), sizes
+
+
+def segment_norms(vector, sizes):
+    """The squared norm of each consecutive segment of ``vector`` (``sizes`` entries
+    each): float64, one value per tensor that ``tensor_sketches`` sketched."""
+    if not sizes:
+        return torch.zeros(0, dtype=torch.float64)
+    index = torch.repeat_interleave(torch.arange(len(sizes), device=vector.device),
+                                    torch.tensor(sizes, device=vector.device))
+    out = torch.zeros(len(sizes), dtype=torch.float64, device=vector.device)
+    return out.index_add_(0, index, vector.to(torch.float64).square())

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as tdist
 
 from .compressors import Collective, Dense, ScratchPool, make_compressor
-from .norm_sketch import count_sketch, sketch_seed
+from .norm_sketch import count_sketch, segment_norms, sketch_seed, tensor_sketches
 
 
 def _unflatten(flat, tensors):
@@ -164,11 +164,19 @@ class GradientReducer:
         self.variance_scale = 1.0
         self.scale_before = 1.0
         self._norm_sq = None
+        # var_rescale "tensor": the same per tensor of the step (the calls' gradients in call
+        # order): this step's squared norms before the clip (float64, one vector a call) and
+        # where each gradient lives, (storage address, element offset, numel, element size);
+        # after end_step, tensor_slots and tensor_factors (a momentum step's factors, a
+        # refresh's before-factors) for FrozenVarianceAdam
+        self._tensor_sq, self._slots = [], []
+        self.tensor_slots, self.tensor_factors = [], None
 
     # -- step bookkeeping -------------------------------------------------------------
     def begin_step(self):
         self.stats = ReduceStats(dense="warm-up" if self.warming_up else "refresh" if self.refreshing else "")
         self.skipped = False
+        self._tensor_sq, self._slots = [], []
 
     def end_step(self):
         if self._pending:
@@ -200,6 +208,7 @@ class GradientReducer:
         x, self._norm_sq = self._norm_sq, None
         if self.skipped or x is None or not math.isfinite(x):      # a skipped step leaves v as it was
             self.variance_scale = self.scale_before = 1.0
+            self.tensor_factors, self.tensor_slots = None, []
             return
         n, ref = int(lv["count"]), float(lv["ref"])
         before = float(lv["level"]) / (1.0 - b2 ** n) if n else 0.0
@@ -213,6 +222,38 @@ class GradientReducer:
             self.variance_scale = 1.0
             lv["ref"].fill_(now)
         self.stats.variance_scale = self.variance_scale if self.sent_momentum else self.scale_before
+        if self.section.var_rescale == "tensor":
+            self._track_tensor_levels(n)
+
+    def _track_tensor_levels(self, n):
+        """``var_rescale: "tensor"``: ``_track_level`` per parameter tensor. The sum of
+        dense Adam's v over a tensor's elements is a beta2 moving average of c^2 |G_t|^2,
+        G_t the tensor's averaged gradient: on dense steps its exact squared norm, on
+        momentum steps the squared norm of its all-reduced sketch (unbiased; its noise is
+        averaged by the moving average as v averages the gradient's). ``n``: the levels'
+        updates before this one (``variance_level["count"]`` before ``_track_level``'s)."""
+        lv, b2 = self.variance_level, self.beta2
+        if not self._tensor_sq:      # this rank reduced no gradients this step
+            self.tensor_factors, self.tensor_slots = None, []
+            return
+        x = torch.cat(self._tensor_sq) * self.stats.clip_coef ** 2
+        if "tensor_level" not in lv:
+            lv.update(tensor_level=torch.zeros_like(x), tensor_ref=torch.zeros_like(x))
+        elif lv["tensor_level"].numel() != x.numel():
+            raise RuntimeError(f"comm var_rescale 'tensor': this step reduced {x.numel()} gradient tensors and the "
+                               f"tracked levels hold {lv['tensor_level'].numel()}; the reduce calls must name the same "
+                               f"tensors every step")
+        level, ref = lv["tensor_level"], lv["tensor_ref"]
+        before = level / (1.0 - b2 ** n) if n else torch.zeros_like(level)
+        level.mul_(b2).add_(x, alpha=1.0 - b2)
+        now = level / (1.0 - b2 ** (n + 1))
+        live = ref > 0
+        if self.sent_momentum:
+            factors = torch.where(live, now / ref.where(live, 1.0), 1.0)
+        else:
+            factors = torch.where(live & (before > 0), before / ref.where(live, 1.0), 1.0)
+            ref.copy_(now)
+        self.tensor_factors, self.tensor_slots = factors, self._slots
 
     @property
     def warming_up(self):
@@ -352,7 +393,9 @@ class GradientReducer:
                 continue
             _unflatten(buf, tensors)
         if norming and not sending:
-            self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
+            squares = self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
+            if self.section.var_rescale == "tensor":       # each member holds the average: its own norms
+                self._note_tensors(grads, squares.to(torch.float64) / divided_later_by ** 2)
         self.stats.total_s += time.perf_counter() - start
 
     @staticmethod
@@ -389,14 +432,19 @@ class GradientReducer:
             self._add_norm_terms(grads, self._norm_weight(members, divide_by, divided_later_by))
             return
         t0 = time.perf_counter()
-        sketch = count_sketch(grads, self.section.clip_sketch_buckets, sketch_seed(self.steps, key),
-                              scale=1.0 / (divide_by * divided_later_by))
+        k, seed, scale = self.section.clip_sketch_buckets, sketch_seed(self.steps, key), 1.0 / (divide_by * divided_later_by)
+        sketch = count_sketch(grads, k, seed, scale=scale)
+        if self.section.var_rescale == "tensor":      # each tensor's own sketch, in the same all-reduce
+            parts, sizes = tensor_sketches(grads, self.section.var_rescale_buckets, seed, scale=scale)
+            sketch = torch.cat([sketch, parts.to(sketch.device, sketch.dtype)])
         self.stats.compress_s += time.perf_counter() - t0
         work = self._launch(Collective("all_reduce", sketch, group))
         t0 = time.perf_counter()
         work.wait()
         self.stats.wait_s += time.perf_counter() - t0
-        self._norm_terms.append(sketch.square().sum() / members)
+        self._norm_terms.append(sketch[:k].square().sum() / members)
+        if self.section.var_rescale == "tensor":
+            self._note_tensors(grads, segment_norms(sketch[k:], sizes).cpu())
 
     @property
     def needs_norm(self):
@@ -423,10 +471,21 @@ class GradientReducer:
         return c
 
     def _add_norm_terms(self, tensors, weight):
-        """weight x the squared norm of ``tensors``, one fp32 sum a tensor."""
+        """weight x the squared norm of ``tensors``, one fp32 sum a tensor; returns the
+        tensors' squared norms (on the host)."""
         sq = [torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float32) ** 2 for t in tensors]
-        if sq:
-            self._norm_terms.append(torch.stack(sq).sum() * weight)
+        if not sq:
+            return torch.zeros(0)
+        sq = torch.stack(sq)
+        self._norm_terms.append(sq.sum() * weight)
+        return sq.cpu()
+
+    def _note_tensors(self, grads, squares):
+        """var_rescale "tensor": this call's per-tensor squared norms (before the clip),
+        and where each gradient lives, for FrozenVarianceAdam to find its elements."""
+        self._tensor_sq.append(squares)
+        self._slots += [(g.untyped_storage().data_ptr(), g.storage_offset(), g.numel(), g.element_size())
+                        for g in grads]
 
     @torch.no_grad()
     def _settle_momentum(self):

@@ -53,6 +53,18 @@ def _comm_state(comm, numel, members, *, hierarchical, matrices, grad_bytes):
                        residual_dtype=comm.residual_dtype)
 
 
+def sketch_bytes(comm, matrices):
+    """The bytes of target momentum's sketch all-reduce for one group's (rows, cols)
+    ``matrices``: the clip norm's count sketch (clip_norm "sketch"), 4 x
+    clip_sketch_buckets, and under var_rescale "tensor" min(numel, var_rescale_buckets)
+    fp32 entries per tensor more; 0 without the sketch (the planner prices it whenever it
+    is configured, also without gradient clipping)."""
+    if comm.target != "momentum" or comm.clip_norm != "sketch":
+        return 0
+    extra = sum(min(r * c, comm.var_rescale_buckets) for r, c in matrices) if comm.var_rescale == "tensor" else 0
+    return 4 * (comm.clip_sketch_buckets + extra)
+
+
 def stage_reductions(m, hw, stages, stage_matrices, placement):
     """Per pipeline rank its gradient reduction (dp_group's figures): dense over the
     data-parallel group, routed experts over their expert-data-parallel group (always
@@ -60,9 +72,6 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
     configured compressor. Sets each StageMemory's comm state from the same groups."""
     comm, dp, ep = m.section.comm, m.layout.data_parallel, m.ep
     payload = _payload(comm)
-    # target momentum's clip norm sketched (clip_norm "sketch"): one small all-reduce a group
-    # (none without gradient clipping; the planner prices it whenever it is configured)
-    sketch = 4 * comm.clip_sketch_buckets if comm.target == "momentum" and comm.clip_norm == "sketch" else 0
     reductions = []
     for rank, st in enumerate(stages):
         groups = [(st.params - st.expert_params, [placement.node(rank, d) for d in range(dp)], comm.hierarchical,
@@ -74,7 +83,7 @@ def stage_reductions(m, hw, stages, stage_matrices, placement):
         for numel, members, hier, matrices in groups:
             one = dp_group(numel=numel, grad_bytes=m.precision.reduce, members=members, hw=hw,
                            compressor=comm.compressor, hierarchical=hier, payload=payload(matrices)[0],
-                           sketch_bytes=sketch)
+                           sketch_bytes=sketch_bytes(comm, matrices))
             g = one if g is None else {k: g[k] + one[k] for k in g}
             for name, b in _comm_state(comm, numel, members, hierarchical=hier, matrices=matrices,
                                          grad_bytes=m.precision.reduce).items():
