@@ -67,6 +67,19 @@ RUNS = {
     # and after 512: one refresh more (step 512), 21.6x over 1,000 steps by the arithmetic
     "momentum-sign-01-k1-f512": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                  "var_freeze_step": 512},
+    # refreshed at the powers of two to 64, then every 64th step to the end (var_update_max_interval):
+    # the schedule alone (fp32), and with signs
+    "momentum-fp32-01-k1-c64": {"compressor": "fp32", "target": "momentum", "var_update_scaler": 1,
+                                "var_update_max_interval": 64},
+    "momentum-sign-01-k1-c64": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                "var_update_max_interval": 64},
+    # and the refreshes sent as int4 (two-phase, a scale per 64 entries, no error feedback)
+    "momentum-sign-01-k1-c64-r4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                   "var_update_max_interval": 64, "refresh_compressor": "int4"},
+    "momentum-sign-01-k1-c32-r4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                   "var_update_max_interval": 32, "refresh_compressor": "int4"},
+    "momentum-sign-01-k1-c16-r4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                   "var_update_max_interval": 16, "refresh_compressor": "int4"},
     # the clip norm as an all-reduced count sketch of the average (clip_norm "sketch") instead of
     # the root mean square of the ranks' own norms, which clips harder than dense AdamW
     "momentum-sign-01-k1-f64-sketch": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
@@ -157,13 +170,18 @@ def run_one(name, comm, args, tmp):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return row_from_summary(name, comm, s["train"]["seed"], s["comm"]["warmup_steps"], summary)
+
+
+def row_from_summary(name, comm, seed, warmup, summary):
+    """The benchmark's row of one finished run, from the trainer's --summary-json."""
     with open(summary) as f:
         out = json.load(f)
     losses = out["losses"]
     tail = min(20, len(losses))
-    row = {"name": name, "comm": comm, "seed": s["train"]["seed"], "final_loss": statistics.mean(losses[-tail:]),
+    row = {"name": name, "comm": comm, "seed": seed, "final_loss": statistics.mean(losses[-tail:]),
            "first_loss": losses[0], "losses": losses, "tokens_per_s": out.get("steady_tokens_per_s"),
-           "warmup_steps": s["comm"]["warmup_steps"] if comm["compressor"] != "none" else 0, "machine": machine()}
+           "warmup_steps": warmup if comm["compressor"] != "none" else 0, "machine": machine()}
     row["steps"] = len(losses)
     if "comm" in out:
         ranks = out["comm"]["per_rank_mean_per_step"]
@@ -215,6 +233,7 @@ def main(argv=None):
             p.error(f"--append: {args.json} was measured with other {', '.join(differ)} ({was}); use those, or "
                     f"another --json")
     seeds = args.seeds or [args.seed]
+    dense_mb = _dense_mb(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="seekspeed-conv-") as tmp:
         todo = [(seed, name) for seed in seeds for name in args.runs]
@@ -223,25 +242,17 @@ def main(argv=None):
             print(f"[{i + 1}/{len(todo)}] {name} seed {seed}: {args.steps} steps on {args.ranks} ranks ...",
                   file=sys.stderr, flush=True)
             rows.append(run_one(f"{name}" if seed is None else f"{name}-s{seed}", RUNS[name], args, tmp) | {"run": name})
-    dense_mb = _dense_mb(args)
+            if args.json:       # after every run: an interrupted benchmark keeps the runs it finished
+                _write(args, before, _complete(rows, before, dense_mb))
+    _complete(rows, before, dense_mb)
     opt = "the config's AdamW" if args.optimizer == "config" else f"SGD lr {args.lr} momentum 0.9"
     print(f"\ntiny recipe, {args.ranks} data-parallel ranks, {args.steps} steps, micro-batch {args.micro_batch} x "
           f"{args.grad_accum} accumulation x {args.seq_len} tokens, {opt}; final loss = mean of the last 20 steps; "
           f"bytes: sent per rank per step after the warm-up (dense fp32 ring: {dense_mb:.3f} MB)")
     print(f"{'run':<24} {'seed':>4} {'final loss':>10} {'vs dense':>9} {'MB sent/step':>12} {'x fewer':>7} "
           f"{'run avg MB':>10} {'run x fewer':>11} {'compress ms':>11}")
-    earlier = before["rows"] if before else []
     for r in rows:
-        dense = next((d for d in rows + earlier if d["run"] == "none" and _same_run(d, r)), None)
-        r["dense_final_loss"] = dense["final_loss"] if dense else None
-        rel = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")
-        r["vs_dense_pct"] = rel
-        r["dense_bytes_per_step"] = dense_mb * 1e6
-        sent = r.get("wire_mb_per_step", dense_mb)          # DeepSpeed's own: the ring's bytes
-        r["bytes_per_step"] = sent * 1e6
-        r["dense_bytes_total"] = dense_mb * 1e6 * r["steps"]
-        r.setdefault("bytes_total", r["dense_bytes_total"])      # DeepSpeed's own reduction: the ring's
-        r["run_bytes_per_step"] = r["bytes_total"] / r["steps"]
+        rel, sent = r["vs_dense_pct"], r["bytes_per_step"] / 1e6
         ms = f"{r['compress_ms_per_step']:.1f}" if "compress_ms_per_step" in r else "-"
         print(f"{r['run']:<24} {str(r['seed']):>4} {r['final_loss']:10.4f} {rel:+8.2f}% {sent:12.3f} "
               f"{dense_mb / sent:7.1f} {r['run_bytes_per_step'] / 1e6:10.3f} "
@@ -252,16 +263,39 @@ def main(argv=None):
             rel = [r["vs_dense_pct"] for r in rows if r["run"] == name]
             print(f"{name:<24} {statistics.mean(rel):+12.2f}% {min(rel):+7.2f}% {max(rel):+7.2f}%")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        out = {"args": vars(args), "rows": rows}
-        if before:
-            redone = {_row_key(r) for r in rows}
-            kept = [r for r in before["rows"] if _row_key(r) not in redone]
-            out = {"args": vars(args), "earlier_args": before.get("earlier_args", []) + [before["args"]],
-                   "rows": kept + rows}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        _write(args, before, rows)
     return rows
+
+
+def _complete(rows, before, dense_mb):
+    """Each row's comparison with the dense run of its seed, steps and machine (in
+    ``rows`` or, --append, in the file's earlier rows) and its bytes against DeepSpeed's
+    dense fp32 ring (``dense_mb`` a step); recomputed whole, as a later run may be the
+    dense one."""
+    earlier = before["rows"] if before else []
+    for r in rows:
+        dense = next((d for d in rows + earlier if d["run"] == "none" and _same_run(d, r)), None)
+        r["dense_final_loss"] = dense["final_loss"] if dense else None
+        r["vs_dense_pct"] = (r["final_loss"] / dense["final_loss"] - 1) * 100 if dense else float("nan")
+        r["dense_bytes_per_step"] = dense_mb * 1e6
+        r["bytes_per_step"] = r.get("wire_mb_per_step", dense_mb) * 1e6     # DeepSpeed's own: the ring's bytes
+        r["dense_bytes_total"] = dense_mb * 1e6 * r["steps"]
+        r.setdefault("bytes_total", r["dense_bytes_total"])      # DeepSpeed's own reduction: the ring's
+        r["run_bytes_per_step"] = r["bytes_total"] / r["steps"]
+    return rows
+
+
+def _write(args, before, rows):
+    """--json: this run's rows, after the file's earlier ones that it does not redo (--append)."""
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    out = {"args": vars(args), "rows": rows}
+    if before:
+        redone = {_row_key(r) for r in rows}
+        kept = [r for r in before["rows"] if _row_key(r) not in redone]
+        out = {"args": vars(args), "earlier_args": before.get("earlier_args", []) + [before["args"]],
+               "rows": kept + rows}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
 
 
 def _row_key(row):

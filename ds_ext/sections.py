@@ -288,6 +288,11 @@ class CommSection:
     # refreshes, until var_freeze_step; null: frozen for good after warmup_steps (1-bit Adam)
     var_update_scaler: int | None = None
     var_freeze_step: int = 100000
+    # the refresh interval stops doubling at this many steps (null: 0/1 Adam's, unbounded)
+    var_update_max_interval: int | None = None
+    # what a refresh's gradient crosses the wire as: fp32 (0/1 Adam's dense step), or bf16,
+    # int8 or int4 without error feedback (v needs g^2, not the last bits of g)
+    refresh_compressor: str = "fp32"
     # target momentum under gradient clipping: the norm of the step's averaged gradient, needed
     # before the exchange, as "rms" (the root mean square of the ranks' own norms: no bytes, an
     # upper bound, so it clips harder than DeepSpeed's dense clip) or "sketch" (a count sketch of
@@ -355,9 +360,24 @@ class CommSection:
                 raise ConfigError(f"{where}.var_update_scaler {self.var_update_scaler}: the refresh interval doubles "
                                   f"after every var_update_scaler refreshes, so it must be >= 1 (0/1 Adam: 16); "
                                   f"remove it to freeze the variance after warmup_steps")
+            if self.var_update_max_interval is not None and self.var_update_max_interval < 1:
+                raise ConfigError(f"{where}.var_update_max_interval {self.var_update_max_interval}: the refresh "
+                                  f"interval's cap must be >= 1 steps; remove it to let the interval double without "
+                                  f"bound (0/1 Adam)")
             if self.var_freeze_step < 1:
                 raise ConfigError(f"{where}.var_freeze_step {self.var_freeze_step}: the last step the variance may be "
                                   f"refreshed at must be >= 1 (0/1 Adam: the end of the lr warm-up)")
+        if self.refresh_compressor not in ("fp32", "bf16", "int8", "int4"):
+            raise ConfigError(f"{where}.refresh_compressor {self.refresh_compressor!r} is not one of ['fp32', 'bf16', "
+                              f"'int8', 'int4'] (a refresh's gradient feeds the variance: a sign or a top-k of it "
+                              f"would zero most of v)")
+        if self.refresh_compressor != "fp32" and self.var_update_scaler is None:
+            raise ConfigError(f"{where}.refresh_compressor compresses 0/1 Adam's variance refreshes, and "
+                              f"var_update_scaler is unset (no refreshes): set var_update_scaler or remove "
+                              f"refresh_compressor")
+        if self.var_update_max_interval is not None and self.var_update_scaler is None:
+            raise ConfigError(f"{where}.var_update_max_interval caps 0/1 Adam's refresh interval, and var_update_scaler "
+                              f"is unset (no refreshes): set var_update_scaler or remove var_update_max_interval")
         if self.clip_norm not in ("rms", "sketch"):
             raise ConfigError(f"{where}.clip_norm {self.clip_norm!r} is not one of ['rms', 'sketch']")
         if self.clip_norm == "sketch" and self.target != "momentum":

@@ -364,6 +364,59 @@ def test_zero_one_adam_refresh_steps_follow_its_rule():
     assert steps(4, 1000) == [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
     assert steps(4, 30) == [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28]
     assert steps(1, 1000) == [1, 2, 4, 8, 16, 32, 64]
+    # var_update_max_interval: the interval stops doubling at the cap (every 16th step after 16)
+    assert [s for s in range(1, 101) if is_refresh_step(s, kappa=1, until=1000, cap=16)] == \
+        [1, 2, 4, 8, 16, 32, 48, 64, 80, 96]
+
+
+def _refresh_rank(steps):
+    """Each step's averaged gradients (or, on momentum steps, None) and wire bytes, from a
+    sign momentum reducer whose refreshes go through int4 (refresh_compressor), beside an
+    int4 gradient reducer without error feedback on the same gradients, and the sign
+    reducer's M after each step."""
+    import torch.distributed as tdist
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    ours = GradientReducer(CommSection(compressor="sign", target="momentum", warmup_steps=1, var_update_scaler=1,
+                                       refresh_compressor="int4", min_numel=1000), node_of=[0] * world)
+    ref = GradientReducer(CommSection(compressor="int4", error_feedback=False, min_numel=1000), node_of=[0] * world)
+    ours.beta1 = 0.9
+    out = []
+    for step in range(steps):
+        grads, twin = _step_grads(step, rank), _step_grads(step, rank)
+        for reducer, g in ((ours, grads), (ref, twin)):
+            reducer.begin_step()
+            reducer.reduce(g, group=tdist.group.WORLD, divide_by=world, key="dense")
+            reducer.end_step()
+        sent = ours.sent_momentum
+        out.append({"sent": sent, "ours": None if sent else [g.clone() for g in grads], "int4": twin,
+                    "bytes": ours.last.wire_bytes, "int4_bytes": ref.last.wire_bytes,
+                    "m": ours.momentum_tensor(("dense", "compressed")).clone()})
+    return out
+
+
+@pytest.mark.multirank
+def test_refreshes_cross_the_wire_through_refresh_compressor():
+    """refresh_compressor "int4": 0/1 Adam's refreshes after the warm-up (kappa 1: steps 2
+    and 4 here) average the gradients as int4's two-phase exchange without error feedback
+    does, bitwise (the same exchange as a gradient reducer of int4), for int4's bytes; the
+    warm-up (step 1) stays fp32 (more bytes than int4's); the refresh's average enters M
+    as a dense step's does, M <- b1 M + (1 - b1) G (one multiply-add an entry: gamma_2
+    of its terms against float64)."""
+    steps = 4
+    got = run_ranks(_refresh_rank, world_size=2, args=(steps,))
+    for r in got:
+        assert [s["sent"] for s in r] == [False, False, True, False]
+        for step in (1, 3):
+            for a, b in zip(r[step]["ours"], r[step]["int4"]):
+                np.testing.assert_array_equal(a, b, err_msg=f"step {step + 1}")
+            assert r[step]["bytes"] == r[step]["int4_bytes"]
+        assert r[0]["bytes"] > 4 * r[1]["bytes"]        # the warm-up: fp32
+        m1, g2 = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (r[0]["m"], r[1]["ours"][0]))
+        want = 0.9 * m1 + 0.1 * g2
+        assert_within(np.asarray(r[1]["m"], dtype=np.float64), want, gamma(2) * (0.9 * np.abs(m1) + 0.1 * np.abs(g2)),
+                      what="M after refresh")
 
 
 ZERO_ONE = {"compressor": "sign", "target": "momentum", "warmup_steps": 0, "var_update_scaler": 1, "min_numel": 256}
@@ -501,6 +554,14 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
     ({"compressor": "sign", "var_update_scaler": 16}, r"var_update_scaler refreshes Adam's frozen variance, which only "
                                                       r"target 'momentum' freezes"),
     ({"compressor": "sign", "target": "momentum", "var_update_scaler": 0}, r"var_update_scaler 0: .* must be >= 1"),
+    ({"compressor": "sign", "target": "momentum", "var_update_scaler": 1, "var_update_max_interval": 0},
+     r"var_update_max_interval 0: .* >= 1"),
+    ({"compressor": "sign", "target": "momentum", "var_update_scaler": 1, "refresh_compressor": "sign"},
+     r"refresh_compressor 'sign' is not one of \['fp32', 'bf16', 'int8', 'int4'\]"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "refresh_compressor": "int4"},
+     r"refresh_compressor compresses .* set var_update_scaler or remove refresh_compressor"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_update_max_interval": 64},
+     r"var_update_max_interval caps .* set var_update_scaler or remove var_update_max_interval"),
     ({"compressor": "sign", "target": "momentum", "var_update_scaler": 4, "var_freeze_step": 0},
      r"var_freeze_step 0: .* must be >= 1"),
     ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "clip_norm": "exact"},

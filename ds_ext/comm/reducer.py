@@ -37,7 +37,7 @@ import functools
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as tdist
@@ -93,10 +93,11 @@ def _wire_bytes(req, world):
 
 
 @functools.lru_cache(maxsize=64)
-def refresh_steps(kappa, until, last):
+def refresh_steps(kappa, until, last, cap=None):
     """0/1 Adam's variance refresh steps (1-based optimizer steps) up to ``last``: a
     refresh at every multiple of the interval, which starts at 1 and doubles after every
-    ``kappa`` refreshes; none after ``until`` (var_freeze_step)."""
+    ``kappa`` refreshes, up to ``cap`` (var_update_max_interval; None: no cap); none after
+    ``until`` (var_freeze_step)."""
     out, interval, count = [], 1, 0
     step = 1
     while step <= min(last, until):
@@ -104,17 +105,17 @@ def refresh_steps(kappa, until, last):
             out.append(step)
             count += 1
             if count == kappa:
-                count, interval = 0, interval * 2
+                count, interval = 0, interval * 2 if cap is None else min(interval * 2, max(cap, interval))
         step += 1
     return frozenset(out)
 
 
-def is_refresh_step(step, *, kappa, until):
+def is_refresh_step(step, *, kappa, until, cap=None):
     """Whether optimizer step ``step`` (1-based) refreshes the variance."""
     if step > until:
         return False
     horizon = 1 << max(step - 1, 1).bit_length()          # refresh sets cached per power of two
-    return step in refresh_steps(kappa, until, horizon)
+    return step in refresh_steps(kappa, until, horizon, cap)
 
 
 class GradientReducer:
@@ -126,6 +127,14 @@ class GradientReducer:
         self.name = section.compressor
         self.compressor = make_compressor(section, seed=seed)
         self.dense = Dense()
+        # 0/1 Adam's variance refreshes after the warm-up (refresh_compressor): fp32, or a
+        # compressor without error feedback (a refresh is tens of steps from the next)
+        if section.refresh_compressor == "fp32":
+            self.refresh_compressor = self.dense
+        else:
+            self.refresh_compressor = make_compressor(
+                replace(section, compressor=section.refresh_compressor, error_feedback=False,
+                                    block_size=None, residual_dtype="fp32", target="gradient"), seed=seed)
         self.node_groups = node_groups
         # group -> whether it crosses nodes (for the inter-node byte count), else from node_of
         self.spans_nodes = dict(spans_nodes or {})
@@ -263,7 +272,8 @@ class GradientReducer:
     def refreshing(self):
         """This step is one of 0/1 Adam's variance refreshes (``var_update_scaler``): dense."""
         kappa = self.section.var_update_scaler
-        return kappa is not None and is_refresh_step(self.steps + 1, kappa=kappa, until=self.section.var_freeze_step)
+        return kappa is not None and is_refresh_step(self.steps + 1, kappa=kappa, until=self.section.var_freeze_step,
+                                                     cap=self.section.var_update_max_interval)
 
     @functools.cached_property
     def first_momentum_step(self):
@@ -271,7 +281,8 @@ class GradientReducer:
         refreshes that follow it without a gap."""
         step = self.section.warmup_steps + 1
         kappa = self.section.var_update_scaler
-        while kappa is not None and is_refresh_step(step, kappa=kappa, until=self.section.var_freeze_step):
+        while kappa is not None and is_refresh_step(step, kappa=kappa, until=self.section.var_freeze_step,
+                                                    cap=self.section.var_update_max_interval):
             step += 1
         return step
 
@@ -314,7 +325,7 @@ class GradientReducer:
         as long as that work leaves ``grads`` alone."""
         start = time.perf_counter()
         self.stats.calls.append((key, micro_step, boundary))
-        comp = self.dense if self.dense_now else self.compressor
+        comp = self.compressor if not self.dense_now else self.dense if self.warming_up else self.refresh_compressor
         grads = [g for g in grads if g.numel()]
         big = [g for g in grads
                if id(g) not in dense and g.numel() >= self.section.min_numel and comp.wants(tuple(g.shape))]

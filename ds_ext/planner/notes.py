@@ -64,7 +64,8 @@ def dense_steps(comm, run):
     """Optimizer steps of the first ``run`` that reduce dense under ``comm`` (a CommSection
     with target momentum): the warm-up and 0/1 Adam's variance refreshes after it."""
     from ds_ext.comm.reducer import refresh_steps
-    refreshes = refresh_steps(comm.var_update_scaler, comm.var_freeze_step, run) if comm.var_update_scaler else ()
+    refreshes = (refresh_steps(comm.var_update_scaler, comm.var_freeze_step, run, comm.var_update_max_interval)
+                 if comm.var_update_scaler else ())
     return min(run, comm.warmup_steps) + sum(1 for s in refreshes if s > comm.warmup_steps)
 
 
@@ -86,7 +87,10 @@ def comm_notes(m, stages, reductions):
     if comm.target == "momentum" and comm.var_update_scaler is not None:
         counts = ", ".join(f"{dense_steps(comm, run):,} of the first {run:,}" for run in (300, 1000, 10000))
         notes.append(f"0/1 Adam's variance schedule (var_update_scaler {comm.var_update_scaler}, var_freeze_step "
-                     f"{comm.var_freeze_step:,}): each refresh is a dense step at intervals doubling after every "
+                     f"{comm.var_freeze_step:,}"
+                     + (f", var_update_max_interval {comm.var_update_max_interval:,}" if comm.var_update_max_interval
+                        else "")
+                     + f"): each refresh is a dense step at intervals doubling after every "
                      f"{comm.var_update_scaler} refreshes; dense steps, warm-up included: {counts}")
     heavy = max(stages, key=lambda st: st.comm_state)
     if heavy.comm_state:
