@@ -90,8 +90,11 @@ def comm_notes(m, stages, reductions):
                      f"{comm.var_freeze_step:,}"
                      + (f", var_update_max_interval {comm.var_update_max_interval:,}" if comm.var_update_max_interval
                         else "")
-                     + f"): each refresh is a dense step at intervals doubling after every "
-                     f"{comm.var_update_scaler} refreshes; dense steps, warm-up included: {counts}")
+                     + "): each refresh is a dense step"
+                     + (f" (its gradient through {comm.refresh_compressor} after the warm-up)"
+                        if comm.refresh_compressor != "fp32" else "")
+                     + f" at intervals doubling after every {comm.var_update_scaler} refreshes; dense steps, warm-up "
+                     f"included: {counts}")
     heavy = max(stages, key=lambda st: st.comm_state)
     if heavy.comm_state:
         notes.append(f"comm state (what the compressed reduction keeps per rank between steps, in the totals): "
