@@ -78,6 +78,10 @@ RUNS = {
                                    "var_update_max_interval": 64, "refresh_compressor": "int4"},
     "momentum-sign-01-k1-c32-r4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                    "var_update_max_interval": 32, "refresh_compressor": "int4"},
+    # the same with the variance's moving average kept in steps (var_refresh_decay "elapsed")
+    "momentum-sign-01-k1-c32-r4-el": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
+                                      "var_update_max_interval": 32, "refresh_compressor": "int4",
+                                      "var_refresh_decay": "elapsed"},
     "momentum-sign-01-k1-c16-r4": {"compressor": "sign", "target": "momentum", "var_update_scaler": 1,
                                    "var_update_max_interval": 16, "refresh_compressor": "int4"},
     # the clip norm as an all-reduced count sketch of the average (clip_norm "sketch") instead of

@@ -293,6 +293,10 @@ class CommSection:
     # what a refresh's gradient crosses the wire as: fp32 (0/1 Adam's dense step), or bf16,
     # int8 or int4 without error feedback (v needs g^2, not the last bits of g)
     refresh_compressor: str = "fp32"
+    # how far a refresh moves the variance: "refresh" (0/1 Adam: v <- b2 v + (1 - b2) g^2, one
+    # step's decay however long since the last), or "elapsed" (v <- b2^k v + (1 - b2^k) g^2 after
+    # k steps: the moving average kept in steps, as dense Adam's, not in refreshes)
+    var_refresh_decay: str = "refresh"
     # target momentum under gradient clipping: the norm of the step's averaged gradient, needed
     # before the exchange, as "rms" (the root mean square of the ranks' own norms: no bytes, an
     # upper bound, so it clips harder than DeepSpeed's dense clip) or "sketch" (a count sketch of
@@ -371,6 +375,13 @@ class CommSection:
             raise ConfigError(f"{where}.refresh_compressor {self.refresh_compressor!r} is not one of ['fp32', 'bf16', "
                               f"'int8', 'int4'] (a refresh's gradient feeds the variance: a sign or a top-k of it "
                               f"would zero most of v)")
+        if self.var_refresh_decay not in ("refresh", "elapsed"):
+            raise ConfigError(f"{where}.var_refresh_decay {self.var_refresh_decay!r} is not one of ['refresh', "
+                              f"'elapsed']")
+        if self.var_refresh_decay != "refresh" and self.var_update_scaler is None:
+            raise ConfigError(f"{where}.var_refresh_decay decays the variance at 0/1 Adam's refreshes, and "
+                              f"var_update_scaler is unset (no refreshes): set var_update_scaler or remove "
+                              f"var_refresh_decay")
         if self.refresh_compressor != "fp32" and self.var_update_scaler is None:
             raise ConfigError(f"{where}.refresh_compressor compresses 0/1 Adam's variance refreshes, and "
                               f"var_update_scaler is unset (no refreshes): set var_update_scaler or remove "

@@ -560,6 +560,10 @@ def test_momentum_target_refuses_other_optimizers_in_one_line():
      r"refresh_compressor 'sign' is not one of \['fp32', 'bf16', 'int8', 'int4'\]"),
     ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "refresh_compressor": "int4"},
      r"refresh_compressor compresses .* set var_update_scaler or remove refresh_compressor"),
+    ({"compressor": "sign", "target": "momentum", "var_update_scaler": 1, "var_refresh_decay": "steps"},
+     r"var_refresh_decay 'steps' is not one of \['refresh', 'elapsed'\]"),
+    ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_refresh_decay": "elapsed"},
+     r"var_refresh_decay decays .* set var_update_scaler or remove var_refresh_decay"),
     ({"compressor": "sign", "target": "momentum", "warmup_steps": 5, "var_update_max_interval": 64},
      r"var_update_max_interval caps .* set var_update_scaler or remove var_update_max_interval"),
     ({"compressor": "sign", "target": "momentum", "var_update_scaler": 4, "var_freeze_step": 0},
@@ -740,6 +744,44 @@ def test_tensor_rescale_is_refused_where_the_optimizer_steps_a_copy():
     check_tensor_rescale(tensor, 1, opt)
     check_tensor_rescale(CommSection(compressor="sign", target="momentum", warmup_steps=1, clip_norm="sketch",
                                      var_rescale=True), 1, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+
+
+def test_elapsed_refresh_decay_keeps_the_variance_in_steps():
+    """var_refresh_decay "elapsed": a refresh k steps after the dense step before it
+    decays v by b2^k, v <- b2^k v + (1 - b2^k) g^2, and the variance's step count becomes
+    the step's own (its bias correction in steps); 0/1 Adam's "refresh" decays by b2 and
+    counts refreshes. k from the schedule (kappa 1, capped at 16: dense at 1, 2, 4, 8, 16,
+    32, 48, ...), so a resumed run finds it from its step alone. v's roundings: gamma_4
+    of each term against float64."""
+    from ds_ext.comm.install import FrozenVarianceAdam
+    from ds_ext.comm.reducer import GradientReducer
+    from ds_ext.config import CommSection
+    section = CommSection(compressor="sign", target="momentum", var_update_scaler=1, var_update_max_interval=16,
+                          var_refresh_decay="elapsed")
+    reducer = GradientReducer(section, node_of=[0])
+    gaps = {}
+    for step in (1, 2, 4, 8, 16, 32, 48, 64):
+        reducer.steps = step
+        gaps[step] = reducer.refresh_gap()
+    assert gaps == {1: 1, 2: 1, 4: 2, 8: 4, 16: 8, 32: 16, 48: 16, 64: 16}
+    g = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(200, generator=g))
+    opt = torch.optim.AdamW([w], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0)
+    for _ in range(2):
+        w.grad = torch.randn(200, generator=g)
+        opt.step()
+    frozen = FrozenVarianceAdam(opt, reducer)
+    for decay, count in (("elapsed", 48), ("refresh", 3)):
+        reducer.section = CommSection(**{**section.__dict__, "var_refresh_decay": decay})
+        reducer.steps, reducer.sent_momentum, reducer.refreshed = 48, False, True
+        v = opt.state[w]["exp_avg_sq"].double().clone()
+        opt.state[w]["step"] = torch.tensor(2.0)
+        w.grad = torch.randn(200, generator=g)
+        frozen.step()
+        keep = 0.95 ** 16 if decay == "elapsed" else 0.95
+        want = keep * v + (1 - keep) * w.grad.double() ** 2
+        assert_within(opt.state[w]["exp_avg_sq"].double(), want.numpy(), (gamma(4) * want).numpy(), what=decay)
+        assert FrozenVarianceAdam.variance_steps(opt.state[w]) == count
 
 
 def test_frozen_variance_adam_takes_the_rescaled_variance():

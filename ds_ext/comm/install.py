@@ -257,17 +257,21 @@ class FrozenVarianceAdam:
             if slices is not None:
                 rescale = 1.0
             if refresh:
-                frozen += 1
                 rescale = 1.0
+                # var_refresh_decay "elapsed": b2 per step since the last dense step, the
+                # variance's step count then the steps themselves (its bias correction in steps)
+                elapsed = reducer.section.var_refresh_decay == "elapsed"
+                keep = beta2 ** reducer.refresh_gap() if elapsed else beta2
+                frozen = reducer.steps if elapsed else frozen + 1
                 # var_rescale: the frozen v brought to where dense Adam's stood before this step
-                decay = beta2 * reducer.scale_before
+                decay = keep * reducer.scale_before
                 for p, st in zip(params, states):
                     if slices is not None:
-                        st["exp_avg_sq"].mul_(beta2)
+                        st["exp_avg_sq"].mul_(keep)
                         self._scale(st["exp_avg_sq"], p.grad, slices)
                     else:
                         st["exp_avg_sq"].mul_(decay)
-                    st["exp_avg_sq"].addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                    st["exp_avg_sq"].addcmul_(p.grad, p.grad, value=1.0 - keep)
                     st["exp_avg"].mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
                     if torch.is_tensor(st["step"]):
                         st["step"].fill_(frozen)

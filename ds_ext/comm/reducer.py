@@ -286,6 +286,16 @@ class GradientReducer:
             step += 1
         return step
 
+    def refresh_gap(self):
+        """Steps from the dense step before the last one reduced (``steps``, 1-based) to
+        it: what var_refresh_decay "elapsed" decays the variance by (b2 per step)."""
+        step = self.steps - 1
+        while step > self.section.warmup_steps and not is_refresh_step(
+                step, kappa=self.section.var_update_scaler, until=self.section.var_freeze_step,
+                cap=self.section.var_update_max_interval):
+            step -= 1
+        return self.steps - max(step, 0)
+
     @property
     def dense_now(self):
         """This step reduces dense: the warm-up, or a variance refresh."""
