@@ -184,7 +184,10 @@ class FrozenVarianceAdam:
     (``var_update_scaler``): there the dense gradient g updates both moments here, v <- b2 v
     + (1 - b2) g^2 (T + 1) and m <- b1 m + (1 - b1) g, and the update is the one above with
     the momentum's step count t (the optimizer's own bias correction would use T, a few
-    steps, and scale the step by 1 / (1 - b1^T)). A step whose momentum or gradient is
+    steps, and scale the step by 1 / (1 - b1^T)). With ``var_refresh_decay: "elapsed"`` a
+    refresh k steps after the last dense step decays v by b2^k instead, v <- b2^k v + (1 -
+    b2^k) g^2, and T becomes the step's own number (the moving average kept in steps, as dense
+    Adam's). A step whose momentum or gradient is
     non-finite on any rank changes nothing (counted in ``skipped_steps``); DeepSpeed's lr
     schedule still advances."""
 
@@ -228,7 +231,7 @@ class FrozenVarianceAdam:
                 flat[a - lo:b - lo].mul_(math.sqrt(f) if root else f)
         if not covered:
             raise RuntimeError("comm var_rescale 'tensor': an optimizer parameter's gradient is none of the tensors the "
-                               "reducer reduced (the optimizer reduces into a copy of its own), so its factor is "
+                               "reducer reduced (the optimizer steps a copy of its own), so its factor is "
                                "unknown; use var_rescale true (one factor for every element)")
 
     @torch.no_grad()
