@@ -133,8 +133,8 @@ class GradientReducer:
             self.refresh_compressor = self.dense
         else:
             self.refresh_compressor = make_compressor(
-                replace(section, compressor=section.refresh_compressor, error_feedback=False,
-                                    block_size=None, residual_dtype="fp32", target="gradient"), seed=seed)
+                replace(section, compressor=section.refresh_compressor, error_feedback=False, block_size=None,
+                        residual_dtype="fp32", target="gradient"), seed=seed)
         self.node_groups = node_groups
         # group -> whether it crosses nodes (for the inter-node byte count), else from node_of
         self.spans_nodes = dict(spans_nodes or {})
@@ -271,8 +271,13 @@ class GradientReducer:
     @property
     def refreshing(self):
         """This step is one of 0/1 Adam's variance refreshes (``var_update_scaler``): dense."""
+        return self._refreshes_at(self.steps + 1)
+
+    def _refreshes_at(self, step):
+        """Whether 0/1 Adam's schedule (``var_update_scaler``, ``var_freeze_step``,
+        ``var_update_max_interval``) refreshes the variance at optimizer step ``step``."""
         kappa = self.section.var_update_scaler
-        return kappa is not None and is_refresh_step(self.steps + 1, kappa=kappa, until=self.section.var_freeze_step,
+        return kappa is not None and is_refresh_step(step, kappa=kappa, until=self.section.var_freeze_step,
                                                      cap=self.section.var_update_max_interval)
 
     @functools.cached_property
@@ -280,9 +285,7 @@ class GradientReducer:
         """The first (1-based) step that sends momentum: after the warm-up and the
         refreshes that follow it without a gap."""
         step = self.section.warmup_steps + 1
-        kappa = self.section.var_update_scaler
-        while kappa is not None and is_refresh_step(step, kappa=kappa, until=self.section.var_freeze_step,
-                                                    cap=self.section.var_update_max_interval):
+        while self._refreshes_at(step):
             step += 1
         return step
 
@@ -290,9 +293,7 @@ class GradientReducer:
         """Steps from the dense step before the last one reduced (``steps``, 1-based) to
         it: what var_refresh_decay "elapsed" decays the variance by (b2 per step)."""
         step = self.steps - 1
-        while step > self.section.warmup_steps and not is_refresh_step(
-                step, kappa=self.section.var_update_scaler, until=self.section.var_freeze_step,
-                cap=self.section.var_update_max_interval):
+        while step > self.section.warmup_steps and not self._refreshes_at(step):
             step -= 1
         return self.steps - max(step, 0)
 
@@ -416,7 +417,7 @@ class GradientReducer:
         if norming and not sending:
             squares = self._add_norm_terms(grads, 1.0 / (divided_later_by ** 2 * members))
             if self.section.var_rescale == "tensor":       # each member holds the average: its own norms
-                self._note_tensors(grads, squares.to(torch.float64) / divided_later_by ** 2)
+                self._note_tensors(grads, squares.cpu().to(torch.float64) / divided_later_by ** 2)
         self.stats.total_s += time.perf_counter() - start
 
     @staticmethod
@@ -493,13 +494,13 @@ class GradientReducer:
 
     def _add_norm_terms(self, tensors, weight):
         """weight x the squared norm of ``tensors``, one fp32 sum a tensor; returns the
-        tensors' squared norms (on the host)."""
+        tensors' squared norms (where they were computed: no host sync unless read)."""
         sq = [torch.linalg.vector_norm(t.reshape(-1), dtype=torch.float32) ** 2 for t in tensors]
         if not sq:
             return torch.zeros(0)
         sq = torch.stack(sq)
         self._norm_terms.append(sq.sum() * weight)
-        return sq.cpu()
+        return sq
 
     def _note_tensors(self, grads, squares):
         """var_rescale "tensor": this call's per-tensor squared norms (before the clip),
